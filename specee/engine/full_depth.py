@@ -1,0 +1,91 @@
+"""Plain full-depth decoding of a batch of requests: the baseline every fast path is checked against.
+
+Prompts are left-padded into one batch; padding slots are never marked filled in the KV
+cache, so no row ever attends to them, and RoPE positions start at 0 for every prompt.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..model.kv_cache import KVCache
+from ..model.llama import Transformer
+from ..sampling import sample
+from .sequence import Sequence
+
+StreamCallback = Callable[[int, str], None]  # (index in batch, text delta)
+
+
+def check_fits(model: Transformer, prompt_len: int, max_tokens: int) -> int:
+    """Cache length a request needs; a clear error if it exceeds the model's context."""
+    from ..model.kv_cache import ContextLengthError
+
+    if prompt_len == 0:
+        raise ValueError("empty prompt: at least one token is needed")
+    needed = prompt_len + max_tokens
+    limit = model.cfg.max_position_embeddings
+    if model.cfg.sliding_window is not None:
+        limit = min(limit, model.cfg.sliding_window)
+    if needed > limit:
+        raise ContextLengthError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {needed} exceeds the model's "
+            f"context of {limit} tokens; shorten the prompt or lower max_tokens")
+    return needed
+
+
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
+    """Run left-padded prompts through every layer; return the last position's hidden state [B, H]."""
+    device = model.device
+    width = max(len(p) for p in prompts)
+    pads = torch.tensor([width - len(p) for p in prompts], device=device)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    slots = torch.arange(width, device=device)
+    positions = (slots[None, :] - pads[:, None]).clamp(min=0)
+    cache.filled[:, :, :width] = slots[None, :] >= pads[:, None]
+    cache.length = width
+    step = model.step_inputs(positions, slots, cache.attention_mask(0, slots, width), width)
+    return model.forward(ids, step, cache)[:, -1]
+
+
+def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Append one token per row ([B]) at the next slot, all layers; return hidden states [B, H]."""
+    n = cache.length
+    slots = torch.tensor([n], device=model.device)
+    cache.mark_filled(slice(None), n)
+    cache.length = n + 1
+    mask = None if cache.filled.shape[1] == 1 else cache.attention_mask(0, slots, n + 1)
+    step = model.step_inputs(positions[:, None], slots, mask, n + 1)
+    return model.forward(tokens[:, None], step, cache)[:, -1]
+
+
+@torch.inference_mode()
+def generate_full_depth(model: Transformer, seqs: list[Sequence], on_text: StreamCallback | None = None) -> None:
+    """Greedy or sampled decoding at full depth; all sequences must share one SamplingParams."""
+    params = seqs[0].params
+    assert all(s.params == params for s in seqs), "one SamplingParams per batch"
+    for s in seqs:
+        check_fits(model, len(s.prompt_ids), params.max_tokens)
+    cache = model.new_cache(len(seqs), max(len(s.prompt_ids) for s in seqs) + params.max_tokens)
+    generator = params.make_generator(model.device)
+    positions = torch.tensor([len(s.prompt_ids) for s in seqs], device=model.device)
+
+    t0 = time.perf_counter()
+    h = prefill(model, cache, [s.prompt_ids for s in seqs])
+    t1 = time.perf_counter()
+    while True:
+        tokens = sample(model.logits(h), params, generator)
+        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
+            if not seq.finished:
+                seq.append(token)
+                if on_text is not None:
+                    on_text(i, seq.take_stream_delta())
+        if all(s.finished for s in seqs):
+            break
+        h = decode_step(model, cache, tokens, positions)
+        positions += 1
+    t2 = time.perf_counter()
+    for s in seqs:
+        s.stats.prefill_seconds = t1 - t0
+        s.stats.decode_seconds = t2 - t1

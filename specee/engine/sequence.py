@@ -1,0 +1,107 @@
+"""One request in flight: its tokens, its text as streamed, when it stops, and its stats."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sampling import SamplingParams
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    early_exit: dict[str, Any] | None = None  # filled by the early-exit and lossless loops
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # the first token comes out of the prefill; the rest are decode steps
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_seconds": round(self.prefill_seconds, 6),
+            "decode_seconds": round(self.decode_seconds, 6),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
+        }
+        if self.early_exit is not None:
+            d["early_exit"] = self.early_exit
+        return d
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: RequestStats
+
+
+@dataclass
+class Sequence:
+    prompt: str | list[int]
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    eos_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    _streamed: int = 0
+
+    def __post_init__(self) -> None:
+        self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        self.stats.prompt_tokens = len(self.prompt_ids)
+        self._hold = max((len(s) for s in self.params.stop), default=1) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int) -> None:
+        """Accept one generated token and decide whether the request is done."""
+        self.output_ids.append(token)
+        self.stats.generated_tokens = len(self.output_ids)
+        if token in self.eos_ids and not self.params.ignore_eos:
+            self.finish_reason = "stop"
+            return
+        before = len(self.text)
+        self.text += self.detok.add(token)
+        for stop in self.params.stop:
+            cut = self.text.find(stop, max(0, before - len(stop) + 1))
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.finish_reason = "stop"
+                return
+        if len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+
+    def take_stream_delta(self) -> str:
+        """Text not yet streamed, holding back a tail that could still become a stop string."""
+        end = len(self.text) if self.finished else max(self._streamed, len(self.text) - self._hold)
+        delta = self.text[self._streamed : end]
+        self._streamed = end
+        return delta
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
+                             self.finish_reason or "length", self.stats)

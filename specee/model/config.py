@@ -1,0 +1,123 @@
+"""Model configuration parsed from a Hugging Face `config.json`.
+
+Both the transformers-4 keys (`rope_theta`, `rope_scaling`, `torch_dtype`) and the
+transformers-5 ones (`rope_parameters`, `dtype`) are accepted. Anything this runtime
+cannot execute exactly is refused here, with the reason, before weights are read.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or option the runtime does not implement."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    sliding_window: int | None
+    checkpoint_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{source}: unsupported architecture {arch!r} (model_type {raw.get('model_type')!r}); "
+                f"specee supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"{source}: unsupported hidden_act {raw['hidden_act']!r} (only 'silu')")
+        if raw.get("mlp_bias", False):
+            raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
+        rope_theta, rope_type, rope_scaling = _parse_rope(raw, source)
+        num_heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        family = SUPPORTED_ARCHITECTURES[arch]
+        # Qwen2 always has q/k/v biases; Llama's `attention_bias` adds them to q/k/v and o.
+        llama_bias = family == "llama" and bool(raw.get("attention_bias", False))
+        qkv_bias = family == "qwen2" or llama_bias
+        sliding = raw.get("sliding_window")
+        if family == "qwen2" and not raw.get("use_sliding_window", False):
+            sliding = None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_type=rope_type,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=llama_bias,
+            sliding_window=sliding,
+            checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, source=str(path))
+
+
+def _parse_rope(raw: dict[str, Any], source: str) -> tuple[float, str, dict[str, Any] | None]:
+    params = raw.get("rope_parameters")
+    if params is not None:  # transformers >= 5
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = params
+    else:
+        theta = raw.get("rope_theta", 10000.0)
+        scaling = raw.get("rope_scaling")
+    rope_type = "default"
+    if scaling:
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return float(theta), rope_type, (dict(scaling) if rope_type != "default" else None)

@@ -1,0 +1,43 @@
+"""A preallocated KV cache whose fill state is tracked per layer and per slot.
+
+Early exit leaves some layers unwritten for some positions, so "which entries exist" is a
+per-layer fact: `filled[layer, row, slot]`. Attention at a layer only reads filled slots
+(the `skip` policy relies on that), and truncation (rollback in lossless mode) clears the
+fill state of every layer past a position.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class ContextLengthError(ValueError):
+    """A request does not fit the model's context window."""
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.filled = torch.zeros(cfg.num_layers, batch_size, max_len, dtype=torch.bool, device=device)
+        self.max_len = max_len
+        self.length = 0  # slots in use: the token history length (padding included)
+
+    def mark_filled(self, layers: slice, slots: torch.Tensor | slice) -> None:
+        """Record that `layers` now hold K/V for `slots` (called once per step, not per layer)."""
+        self.filled[layers, :, slots] = True
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot at or past `length`, in every layer (the data stays, unread)."""
+        self.filled[:, :, length:] = False
+        self.length = min(self.length, length)
+
+    def attention_mask(self, layer: int, slots: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[B, 1, S, kv_len]: row at slot s reads filled slots <= s of `layer` (and always itself,
+        so padding rows stay finite)."""
+        keys = torch.arange(kv_len, device=slots.device)
+        causal = keys <= slots[:, None]  # [S, kv_len]
+        mask = self.filled[layer, :, None, :kv_len] & causal
+        return (mask | (keys == slots[:, None])).unsqueeze(1)

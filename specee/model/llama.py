@@ -1,0 +1,166 @@
+"""The layer-granular runtime for Llama-family decoders (Llama 2/3, Mistral, Qwen2, SmolLM).
+
+Every piece a decode loop needs is a separate call so that early exit can stop between
+layers: `embed`, `layer(i, ...)`, `norm`, `lm_head`, and `lm_head_rows` (logits for a few
+vocabulary rows only: the speculative tokens' k dot products).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .rope import apply_rope, rope_tables
+from .weights import CheckpointError, check_config_fits, read_state_dict, take
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections fused: one matmul instead of three
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up fused
+    down: torch.Tensor
+
+
+@dataclass
+class StepInputs:
+    """What every layer of one forward step shares, computed once per step (not per layer).
+
+    slots: cache slots the rows write, [S]; cos/sin: RoPE rows, [B, 1, S, D];
+    mask: which cache slots each row may read, [B, 1, S, kv_len] (None = all of them);
+    kv_len: how many cache slots attention reads.
+    """
+
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    kv_len: int
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, source: Path):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return take(tensors, name, shape, source).to(device=device, dtype=dtype)
+
+        self.embedding = get("model.embed_tokens.weight", (cfg.vocab_size, H))
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([get(p + "self_attn.q_proj.weight", (q_dim, H)),
+                             get(p + "self_attn.k_proj.weight", (kv_dim, H)),
+                             get(p + "self_attn.v_proj.weight", (kv_dim, H))])
+            qkv_bias = None
+            if cfg.qkv_bias:
+                qkv_bias = torch.cat([get(p + "self_attn.q_proj.bias", (q_dim,)),
+                                      get(p + "self_attn.k_proj.bias", (kv_dim,)),
+                                      get(p + "self_attn.v_proj.bias", (kv_dim,))])
+            self.layers.append(LayerWeights(
+                attn_norm=get(p + "input_layernorm.weight", (H,)),
+                qkv=qkv,
+                qkv_bias=qkv_bias,
+                o=get(p + "self_attn.o_proj.weight", (H, q_dim)),
+                o_bias=get(p + "self_attn.o_proj.bias", (H,)) if cfg.o_bias else None,
+                mlp_norm=get(p + "post_attention_layernorm.weight", (H,)),
+                gate_up=torch.cat([get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))]),
+                down=get(p + "mlp.down_proj.weight", (H, I)),
+            ))
+        self.final_norm = get("model.norm.weight", (H,))
+        if cfg.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+            self.lm_head_weight = self.embedding
+        else:
+            self.lm_head_weight = get("lm_head.weight", (cfg.vocab_size, H))
+        check_config_fits(cfg, tensors, source)
+        self.cos_table, self.sin_table = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Transformer":
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory not found: {model_dir}")
+        if not (model_dir / "config.json").exists():
+            raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+        return cls(cfg, read_state_dict(model_dir), torch.device(device), dtype, model_dir)
+
+    # ---- pieces of a forward pass -------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        return KVCache(self.cfg, batch_size, max_len, self.device, self.dtype)
+
+    def step_inputs(self, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> StepInputs:
+        """positions: [B, S] RoPE positions of the rows; slots: [S] cache slots they write."""
+        cos = self.cos_table[positions].unsqueeze(1)
+        sin = self.sin_table[positions].unsqueeze(1)
+        return StepInputs(slots=slots, cos=cos, sin=sin, mask=mask, kv_len=kv_len)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embedding)
+
+    def layer(self, i: int, h: torch.Tensor, step: StepInputs, cache: KVCache) -> torch.Tensor:
+        """Decoder layer i on rows h [B, S, H]; writes their K/V into the cache at step.slots."""
+        cfg, w = self.cfg, self.layers[i]
+        B, S, _ = h.shape
+        D = cfg.head_dim
+        x = F.rms_norm(h, (cfg.hidden_size,), w.attn_norm, cfg.rms_norm_eps)
+        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split(
+            [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D], dim=-1)
+        q = apply_rope(q.view(B, S, cfg.num_heads, D).transpose(1, 2), step.cos, step.sin)
+        k = apply_rope(k.view(B, S, cfg.num_kv_heads, D).transpose(1, 2), step.cos, step.sin)
+        v = v.view(B, S, cfg.num_kv_heads, D).transpose(1, 2)
+        k_cache, v_cache = cache.k[i], cache.v[i]
+        k_cache.index_copy_(2, step.slots, k)
+        v_cache.index_copy_(2, step.slots, v)
+        attn = F.scaled_dot_product_attention(
+            q, k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len],
+            attn_mask=step.mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads)
+        h = h + F.linear(attn.transpose(1, 2).reshape(B, S, cfg.num_heads * D), w.o, w.o_bias)
+        x = F.rms_norm(h, (cfg.hidden_size,), w.mlp_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, w.down)
+
+    def project_kv(self, i: int, h: torch.Tensor, step: StepInputs, cache: KVCache) -> None:
+        """Write layer i's K/V for rows h without running the layer (CALM-style propagation)."""
+        cfg, w = self.cfg, self.layers[i]
+        B, S, _ = h.shape
+        D, q_dim, kv_dim = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        x = F.rms_norm(h, (cfg.hidden_size,), w.attn_norm, cfg.rms_norm_eps)
+        bias = None if w.qkv_bias is None else w.qkv_bias[q_dim:]
+        k, v = F.linear(x, w.qkv[q_dim:], bias).split([kv_dim, kv_dim], dim=-1)
+        k = apply_rope(k.view(B, S, cfg.num_kv_heads, D).transpose(1, 2), step.cos, step.sin)
+        cache.k[i].index_copy_(2, step.slots, k)
+        cache.v[i].index_copy_(2, step.slots, v.view(B, S, cfg.num_kv_heads, D).transpose(1, 2))
+
+    def norm(self, h: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(h, (self.cfg.hidden_size,), self.final_norm, self.cfg.rms_norm_eps)
+
+    def lm_head(self, h_normed: torch.Tensor) -> torch.Tensor:
+        return F.linear(h_normed, self.lm_head_weight)
+
+    def lm_head_rows(self, h_normed: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of only `token_ids` ([B, k]) for hidden states [B, H]: k dot products per row."""
+        rows = self.lm_head_weight[token_ids]  # [B, k, H]
+        return torch.bmm(rows, h_normed.unsqueeze(-1)).squeeze(-1)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    # ---- a whole forward over all layers ---------------------------------------------------
+    def forward(self, token_ids: torch.Tensor, step: StepInputs, cache: KVCache) -> torch.Tensor:
+        """Full-depth forward of rows token_ids [B, S]; returns final hidden states [B, S, H]."""
+        h = self.embed(token_ids)
+        for i in range(self.cfg.num_layers):
+            h = self.layer(i, h, step, cache)
+        return h

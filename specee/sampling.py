@@ -1,0 +1,69 @@
+"""Sampling parameters (shaped like vLLM's) and the token choice from logits."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens (max_new_tokens) must be a positive integer, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self, device: torch.device) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return g
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from: temperature, then top-k, then top-p. logits: [B, V]."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per row, [B] int64, from logits [B, V]."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, params), 1, generator=generator).squeeze(-1)

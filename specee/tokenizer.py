@@ -1,0 +1,97 @@
+"""Tokenizer, chat template and incremental detokenization for a checkpoint directory.
+
+Wraps the `tokenizers` library (the same `tokenizer.json` transformers uses) and renders
+the checkpoint's Jinja chat template the way transformers does.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # older tokenizer_config stores AddedToken dicts
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{model_dir}: no tokenizer.json (specee needs a fast-tokenizer file)")
+        self.tok = HFTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.pad_token = _token_text(config.get("pad_token"))
+        template_file = model_dir / "chat_template.jinja"
+        template = template_file.read_text() if template_file.exists() else config.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tok.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.token_id(self.pad_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; pass raw text (CLI: --no-chat)")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template error: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The template already places any special tokens; transformers encodes it without adding more.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything.
+
+    Decodes a short window (prefix_offset..) and holds back text ending in an incomplete
+    UTF-8 sequence, so multi-byte characters split across tokens stream correctly.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-4:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return delta
+        return ""
