@@ -1,13 +1,18 @@
 """The user-facing API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+# TEMP(lead): early-exit imports are local until specee.drafters / specee.exit land.
+
 import json
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from ..model.llama import Transformer
+from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .full_depth import generate_full_depth
@@ -39,8 +44,22 @@ def load_eos_ids(model_dir: Path, model: Transformer, tokenizer: Tokenizer) -> f
     return frozenset(ids)
 
 
+def default_cache_dir() -> Path:
+    root = os.environ.get("SPECEE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specee")
+    return Path(root)
+
+
 class LLM:
-    def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto"):
+    """A loaded target model; with `early_exit`, decoding uses SpecEE early exiting.
+
+    early_exit: an EarlyExitConfig. Its bank is loaded (and checked against this target and
+    drafter); without one, a bank is calibrated once and cached under ~/.cache/specee/banks,
+    keyed by the target's and drafter's fingerprints.
+    """
+
+    def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
+                 early_exit: "EarlyExitConfig | None" = None, progress: bool = True):
         self.model_dir = Path(model)
         dev = torch.device(device)
         self.model = Transformer.load(self.model_dir, dev, resolve_dtype(dtype, dev))
@@ -49,6 +68,49 @@ class LLM:
             raise ValueError(f"{self.model_dir}: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
                              f"only {self.model.cfg.vocab_size} embedding rows")
         self.eos_ids = load_eos_ids(self.model_dir, self.model, self.tokenizer)
+        self.fingerprint = fingerprint_weights(self.model_dir)
+        self.progress = progress
+        self.early_exit = None
+        if early_exit is not None:
+            self.enable_early_exit(early_exit)
+
+    # ---- early exit ---------------------------------------------------------------------
+    def make_drafter(self, draft: str | None, k: int) -> "Drafter":
+        from ..drafters.draft_model import DraftModelDrafter
+        from ..drafters.ngram import NGramDrafter
+        if draft is None:
+            raise ValueError("early exit needs a drafter: a draft model directory, or 'ngram'")
+        if draft == "ngram":
+            return NGramDrafter(k, self.model.cfg.vocab_size, self.model.device)
+        return DraftModelDrafter(draft, self.tokenizer, k, self.model.device, self.model.dtype,
+                                 max_len=self.model.cfg.max_position_embeddings)
+
+    def enable_early_exit(self, config: "EarlyExitConfig") -> None:
+        from ..exit.bank import PredictorBank
+        from .early_exit import EarlyExitDecoder
+        drafter = self.make_drafter(config.draft, config.k)
+        if config.bank is not None:
+            bank = PredictorBank.load(config.bank, expect_target=self.fingerprint,
+                                      expect_drafter=drafter.fingerprint, num_layers=self.model.cfg.num_layers)
+        else:
+            bank = self.cached_bank(drafter, config.k)
+        self.early_exit = EarlyExitDecoder(self.model, drafter, bank.to(self.model.device, self.model.dtype), config)
+
+    def cached_bank(self, drafter: "Drafter", k: int) -> "PredictorBank":
+        from ..exit.bank import PredictorBank
+        from ..exit.calibrate import calibrate, load_calibration_prompts
+        """The bank for this target + drafter from the user's cache, calibrating it on first use."""
+        path = default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}"
+        if (path / "manifest.json").exists():
+            return PredictorBank.load(path, expect_target=self.fingerprint, expect_drafter=drafter.fingerprint,
+                                      num_layers=self.model.cfg.num_layers)
+        if self.progress:
+            print(f"specee: no predictor bank for this model + drafter yet; calibrating once "
+                  f"(cached at {path})", file=sys.stderr)
+        bank = calibrate(self.model, self.tokenizer, drafter, load_calibration_prompts(), k=k,
+                         target_fingerprint=self.fingerprint, progress=self.progress)
+        bank.save(path)
+        return bank
 
     # ---- requests -----------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -107,5 +169,17 @@ class LLM:
             yield item
         self.last_output = seq.output()
 
+    def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> "list[TeacherForcedStep]":
+        """What early exit would emit at each position of a fixed continuation (see EarlyExitDecoder)."""
+        if self.early_exit is None:
+            raise ValueError("teacher_forced needs early exit enabled (LLM(..., early_exit=EarlyExitConfig(...)))")
+        params = SamplingParams(max_tokens=len(continuation), ignore_eos=True)
+        seq = Sequence(prompt_ids, list(prompt_ids), params, self.tokenizer, self.eos_ids)
+        return self.early_exit.teacher_forced(seq, continuation)
+
     def _run(self, seqs: list[Sequence], on_text) -> None:
-        generate_full_depth(self.model, seqs, on_text)
+        if self.early_exit is None:
+            generate_full_depth(self.model, seqs, on_text)
+            return
+        for i, seq in enumerate(seqs):  # early exit decides per token: one request at a time
+            self.early_exit.generate(seq, None if on_text is None else (lambda _j, text, i=i: on_text(i, text)))

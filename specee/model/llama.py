@@ -164,3 +164,18 @@ class Transformer:
         for i in range(self.cfg.num_layers):
             h = self.layer(i, h, step, cache)
         return h
+
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced pass over one sequence keeping every layer's output: [L + 1, S, H]
+        (index 0 = embeddings, index i + 1 = output of layer i). For calibration and the logit lens."""
+        S = len(token_ids)
+        cache = self.new_cache(1, S)
+        slots = torch.arange(S, device=self.device)
+        cache.filled[:, :, :S] = True
+        step = self.step_inputs(slots[None, :], slots, cache.attention_mask(0, slots, S), S)
+        h = self.embed(torch.tensor([token_ids], device=self.device))
+        out = [h[0]]
+        for i in range(self.cfg.num_layers):
+            h = self.layer(i, h, step, cache)
+            out.append(h[0])
+        return torch.stack(out)

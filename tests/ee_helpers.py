@@ -1,0 +1,92 @@
+"""Helpers for the early-exit and lossless tests: controlled drafters, banks and references."""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from specee.drafters.base import Drafter
+from specee.engine.early_exit import EarlyExitConfig, EarlyExitDecoder
+from specee.engine.sequence import Sequence
+from specee.exit.bank import PredictorBank
+from specee.sampling import SamplingParams
+
+
+class AllTokensDrafter(Drafter):
+    """Proposes the whole vocabulary (k = vocab): every layer's argmax is a speculative token,
+    so a forced exit is always taken. Lets tests choose exit layers exactly."""
+
+    def __init__(self, vocab_size: int):
+        self.k, self.name, self.fingerprint = vocab_size, "all-tokens", "all-tokens"
+        self._ids = torch.arange(vocab_size)
+        self._history: list[int] = []
+
+    def reset(self, prompt_ids, max_new_tokens=None):
+        self._history = list(prompt_ids)
+
+    def advance(self, token):
+        self._history.append(token)
+
+    def propose(self):
+        return self._ids
+
+    def truncate(self, length):
+        del self._history[length:]
+
+    def teacher_forced_top_k(self, ids, start):
+        return self._ids.expand(len(ids) - start, -1)
+
+
+def constant_bank(num_layers: int, k: int, thresholds: list[float], offline: list[int] | None = None,
+                  target: str = "t", drafter: str = "d") -> PredictorBank:
+    """A bank whose predictors output sigmoid(0) = 0.5 everywhere: a layer fires iff its
+    threshold is below 0.5 (inf disables it)."""
+    hidden = 4
+    return PredictorBank(torch.zeros(num_layers, 3 * k, hidden), torch.zeros(num_layers, hidden),
+                         torch.zeros(num_layers, hidden), torch.zeros(num_layers), thresholds,
+                         offline if offline is not None else list(range(num_layers - 1)), k, target, drafter)
+
+
+def never_bank(num_layers: int, k: int, **kw) -> PredictorBank:
+    return constant_bank(num_layers, k, [math.inf] * num_layers, **kw)
+
+
+def decoder(llm, drafter: Drafter, bank: PredictorBank | None = None, **config) -> EarlyExitDecoder:
+    L = llm.model.cfg.num_layers
+    return EarlyExitDecoder(llm.model, drafter, bank or never_bank(L, drafter.k), EarlyExitConfig(**config))
+
+
+def run(llm, dec: EarlyExitDecoder, prompt_ids: list[int], params: SamplingParams, force=None):
+    seq = Sequence(prompt_ids, list(prompt_ids), params, llm.tokenizer, llm.eos_ids)
+    return seq, dec.generate(seq, force_exit=force)
+
+
+def random_forcing(seed: int, rate: float):
+    """force_exit(step, layer) decided by a seeded hash: reproducible, different per (step, layer)."""
+
+    def force(step: int, layer: int) -> bool:
+        return random.Random(seed * 1_000_003 + step * 1009 + layer).random() < rate
+
+    return force
+
+
+@torch.inference_mode()
+def reference_forced_tokens(model, drafter: Drafter, prompt_ids: list[int], n_tokens: int, force) -> list[int]:
+    """The tokens forced exits must give, computed without the engine's cache or loop: at each
+    position a fresh full forward (logit lens over all layers) on the history; the token is the
+    argmax of the first forced layer whose argmax is a speculative token, else the last layer's."""
+    history = list(prompt_ids)
+    L = model.cfg.num_layers
+    out: list[int] = []
+    for step in range(n_tokens):
+        lens = model.logits(model.hidden_states(history)[1:, -1])  # [L, V]
+        spec = set(drafter.teacher_forced_top_k(history + [0], len(history))[0].tolist())
+        token = int(lens[L - 1].argmax())
+        for layer in range(L - 1):
+            if force(step, layer) and int(lens[layer].argmax()) in spec:
+                token = int(lens[layer].argmax())
+                break
+        out.append(token)
+        history.append(token)
+    return out

@@ -1,0 +1,164 @@
+"""Lossless mode (issue 4): output identical to full-depth decoding, whatever the exits do."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoints import Variant, make_checkpoint
+from conftest import SHARED, real_model_dir
+from ee_helpers import AllTokensDrafter, constant_bank, decoder, random_forcing, run
+
+from specee import LLM, SamplingParams
+from specee.sampling import probabilities
+
+DEEP = Variant("deep4", "llama", dict(num_hidden_layers=4, num_key_value_heads=2))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return LLM(make_checkpoint(tmp_path_factory.mktemp("lossless") / "m", DEEP, seed=11), dtype="float32")
+
+
+def full_depth(llm, ids, params):
+    llm.early_exit = None
+    return llm.generate([ids], params)[0].token_ids
+
+
+@pytest.mark.parametrize("max_pending", [1, 2, 3, 8])
+def test_forced_wrong_exits_roll_back_to_full_depth_output(tiny, max_pending):
+    """A random model exiting at random layers is wrong most of the time: every rollback path
+    runs, and the output must still be the full model's, token for token."""
+    drafter = AllTokensDrafter(tiny.model.cfg.vocab_size)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for seed in range(3):
+        ids = tiny.encode(["Once upon a time", "The cat sat on", "A little bird said"][seed])
+        dec = decoder(tiny, drafter, kv_policy="recompute", mode="lossless", max_pending=max_pending)
+        seq, r = run(tiny, dec, ids, params, random_forcing(seed=seed, rate=0.5))
+        assert seq.output_ids == full_depth(tiny, ids, params)
+        ll = seq.stats.early_exit["lossless"]
+        assert ll["rollbacks"] > 0 and ll["discarded_tokens"] >= ll["rollbacks"]
+        assert ll["verified_positions"] > 0  # some exits were right and were kept
+
+
+def test_rollback_of_first_unverified_position_and_at_the_bound(tiny):
+    """Exit at layer 0 on every step: the first unverified position of a run of several is
+    wrong (all later ones are discarded), and mismatches are found by the forced step at the bound."""
+    drafter = AllTokensDrafter(tiny.model.cfg.vocab_size)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ids = tiny.encode("Once upon a time")
+    dec = decoder(tiny, drafter, kv_policy="recompute", mode="lossless", max_pending=4)
+    seq, r = run(tiny, dec, ids, params, lambda step, layer: layer == 0)
+    ll = seq.stats.early_exit["lossless"]
+    assert seq.output_ids == full_depth(tiny, ids, params)
+    assert ll["rollbacks_at_bound"] > 0
+    assert ll["discarded_tokens"] > ll["rollbacks"]  # rollbacks dropped runs of several tokens
+    assert r.cache.length == len(r.history) - 1 and not r.pending and not r.unverified
+
+
+def test_stop_and_eos_only_on_verified_tokens(tiny):
+    drafter = AllTokensDrafter(tiny.model.cfg.vocab_size)
+    ids = tiny.encode("Once upon a time")
+    plain = full_depth(tiny, ids, SamplingParams(max_tokens=25, ignore_eos=True))
+    text = tiny.tokenizer.decode(plain)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    for params in (SamplingParams(max_tokens=25, stop=[stop], ignore_eos=True), SamplingParams(max_tokens=25)):
+        want = tiny.generate([ids], params)[0]
+        dec = decoder(tiny, drafter, kv_policy="recompute", mode="lossless", max_pending=3)
+        seq, _ = run(tiny, dec, ids, params, random_forcing(seed=9, rate=0.5))
+        assert (seq.text, seq.output_ids, seq.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+
+
+def test_streaming_shows_only_verified_text(tiny):
+    """Every streamed delta must extend a prefix of the full-depth text."""
+    drafter = AllTokensDrafter(tiny.model.cfg.vocab_size)
+    ids = tiny.encode("Once upon a time")
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = tiny.tokenizer.decode(full_depth(tiny, ids, params))
+    tiny.early_exit = decoder(tiny, drafter, kv_policy="recompute", mode="lossless", max_pending=3)
+    try:
+        shown = ""
+        for delta in tiny.stream(ids, params):
+            shown += delta
+            assert want.startswith(shown)
+        assert shown == tiny.last_output.text
+    finally:
+        tiny.early_exit = None
+
+
+def test_lossless_sampling_preserves_the_full_model_distribution(tiny):
+    """Speculative-sampling acceptance with the exit layer as draft: the first token's empirical
+    distribution must match the full model's (and a sampler that kept the draft would not)."""
+    drafter = AllTokensDrafter(tiny.model.cfg.vocab_size)
+    ids = tiny.encode("Once upon a time")
+    params = dict(temperature=1.0, top_k=6)
+    with torch.inference_mode():
+        lens = tiny.model.logits(tiny.model.hidden_states(ids)[1:, -1])  # [L, V]
+        p = probabilities(lens[-1:], SamplingParams(**params))[0]
+        q = probabilities(lens[:1], SamplingParams(**params))[0]  # layer 0: the forced exit's draft
+    tv_draft = 0.5 * float((p - q).abs().sum())
+    assert tv_draft > 0.3, "the test needs a draft far from the target to have power"
+    dec = decoder(tiny, drafter, kv_policy="recompute", mode="lossless")
+    n = 3000
+    counts = torch.zeros_like(p)
+    for seed in range(n):
+        seq, _ = run(tiny, dec, ids, SamplingParams(max_tokens=1, seed=seed, ignore_eos=True, **params),
+                     lambda step, layer: layer == 0)
+        counts[seq.output_ids[0]] += 1
+    empirical = counts / n
+    tv = 0.5 * float((empirical - p).abs().sum())
+    # sampling noise for 3000 draws over <= 12 tokens is ~0.03; a biased sampler sits near tv_draft
+    assert tv < 0.05, f"TV(empirical, p) = {tv:.3f} (draft q is at {tv_draft:.3f})"
+
+
+# ---- the reference pair with a calibrated bank ---------------------------------------------------
+@pytest.fixture(scope="module")
+def ref_bank(tmp_path_factory):
+    """A small calibration of the reference pair (fast settings; the product default is larger)."""
+    from specee.drafters.draft_model import DraftModelDrafter
+    from specee.exit.calibrate import calibrate, load_calibration_prompts
+
+    llm = LLM(real_model_dir("ref-target-24L"), dtype="float32", progress=False)
+    drafter = DraftModelDrafter(real_model_dir("ref-draft-4L"), llm.tokenizer, 4, "cpu", torch.float32)
+    prompts = load_calibration_prompts(SHARED / "data" / "calibration" / "alpaca_en_demo.json", limit=24)
+    bank = calibrate(llm.model, llm.tokenizer, drafter, prompts, k=4, max_new_tokens=48, progress=False)
+    bank.target_fingerprint = llm.fingerprint
+    path = tmp_path_factory.mktemp("bank") / "ref"
+    bank.save(path)
+    return llm, path
+
+
+def spec_bench_prompts(n_per_category: int, categories: tuple[str, ...]) -> list[str]:
+    out, seen = [], {}
+    for line in (SHARED / "data" / "spec_bench" / "question.jsonl").read_text().splitlines():
+        q = json.loads(line)
+        if q["category"] in categories and seen.get(q["category"], 0) < n_per_category:
+            seen[q["category"]] = seen.get(q["category"], 0) + 1
+            out.append(q["turns"][0])
+    return out
+
+
+def test_greedy_lossless_identical_on_the_reference_pair(ref_bank):
+    """Spec-Bench and calibration prompts, 128 new tokens, the calibrated thresholds and
+    permissive ones (scale 3) and absurd ones (scale 1000: every scheduled predictor fires)."""
+    from specee.engine.early_exit import EarlyExitConfig
+
+    llm, bank_path = ref_bank
+    prompts = spec_bench_prompts(1, ("writing", "coding", "math_reasoning", "qa"))
+    prompts.append(json.loads((SHARED / "data" / "calibration" / "alpaca_en_demo.json").read_text())[500]["instruction"])
+    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    ids = [llm.encode(p, chat=True) for p in prompts]
+    llm.early_exit = None
+    reference = [o.token_ids for o in llm.generate(ids, params)]
+    rollbacks = 0
+    for scale in (1.0, 3.0, 1000.0):
+        llm.enable_early_exit(EarlyExitConfig(draft=str(real_model_dir("ref-draft-4L")), bank=str(bank_path),
+                                              mode="lossless", threshold_scale=scale))
+        try:
+            outs = llm.generate(ids, params)
+        finally:
+            llm.early_exit = None
+        for o, want in zip(outs, reference):
+            assert o.token_ids == want, f"scale {scale}: lossless output differs from full depth"
+            rollbacks += o.stats.early_exit["lossless"]["rollbacks"]
+    assert rollbacks > 0  # the permissive thresholds did make wrong exits, and they were repaired
