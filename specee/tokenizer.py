@@ -6,9 +6,11 @@ the checkpoint's Jinja chat template the way transformers does.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -31,6 +33,7 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.pad_token = _token_text(config.get("pad_token"))
+        self.unk_token = _token_text(config.get("unk_token"))
         template_file = model_dir / "chat_template.jinja"
         template = template_file.read_text() if template_file.exists() else config.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
@@ -58,15 +61,24 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; pass raw text (CLI: --no-chat)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # The environment transformers renders templates in: loop controls, a tojson that does not
+        # HTML-escape, strftime_now (Llama 3.x templates date their system prompt with it).
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
         def raise_exception(message: str) -> None:
             raise ValueError(f"chat template error: {message}")
 
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
+        # like transformers, only the special tokens the tokenizer has are defined in the template
+        specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                                      ("unk_token", self.unk_token), ("pad_token", self.pad_token)) if v is not None}
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **specials)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         # The template already places any special tokens; transformers encodes it without adding more.

@@ -48,7 +48,7 @@ class EarlyExitConfig:
     bank: a predictor bank directory; None calibrates one (and caches it) on first use.
     max_pending: most carried rows (recompute) or unverified positions (lossless) before a
     forced full-depth step; threshold_scale multiplies the bank's thresholds' distance from 1
-    (below 1 = more exits), for sweeps.
+    (above 1 = lower thresholds, more exits; below 1 = fewer), for sweeps.
     """
 
     draft: str | None = None
@@ -245,7 +245,8 @@ class DecodeRun:
         # so the first generated token can exit too (it is all a multiple-choice answer has).
         if len(seq.prompt_ids) > 1:
             prefill(model, self.cache, [seq.prompt_ids[:-1]])
-        self.dec.drafter.reset(seq.prompt_ids[:-1])
+        self.dec.drafter.reset(seq.prompt_ids)
+        self.drafted = len(seq.prompt_ids)  # history tokens the drafter has consumed
         t1 = time.perf_counter()
         while True:
             if self.done():
@@ -255,6 +256,7 @@ class DecodeRun:
             self.step()
         seq.stats.prefill_seconds = t1 - t0
         seq.stats.decode_seconds = time.perf_counter() - t1
+        seq.stats.decode_tokens = len(seq.output_ids)  # the first token came from a decode step too
         seq.stats.early_exit = self.stats.as_dict(seq.stats.decode_seconds)
         seq.stats.early_exit.update(kv_policy=self.policy, mode=self.dec.config.mode,
                                     offline_layers=self.dec.offline_layers)
@@ -266,7 +268,9 @@ class DecodeRun:
         token = self.history[-1]
 
         t = time.perf_counter()
-        self.dec.drafter.advance(token)
+        if self.drafted < len(self.history):
+            self.dec.drafter.extend(self.history[self.drafted:])
+            self.drafted = len(self.history)
         spec = self.dec.drafter.propose()
         rows = spec_rows(model, spec)
         stats.drafter_seconds += time.perf_counter() - t
@@ -439,6 +443,7 @@ class DecodeRun:
         self.pending.clear()
         self.cache.truncate(pos)
         self.dec.drafter.truncate(pos)
+        self.drafted = pos
         self.emit(replacement)
 
     def flush(self) -> bool:

@@ -89,3 +89,4 @@ def generate_full_depth(model: Transformer, seqs: list[Sequence], on_text: Strea
     for s in seqs:
         s.stats.prefill_seconds = t1 - t0
         s.stats.decode_seconds = t2 - t1
+        s.stats.decode_tokens = max(len(s.output_ids) - 1, 0)  # the first token came from the prefill

@@ -15,6 +15,7 @@ class RequestStats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    decode_tokens: int = 0  # tokens produced by decode steps (full depth: all but the prefill's one)
     early_exit: dict[str, Any] | None = None  # filled by the early-exit and lossless loops
 
     @property
@@ -23,9 +24,7 @@ class RequestStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        # the first token comes out of the prefill; the rest are decode steps
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
     def tokens_per_second(self) -> float:

@@ -1,0 +1,318 @@
+"""`specee bench speed | quality | oracle | sweep`.
+
+`add_bench_parser(subparsers)` registers the `bench` command on the main `specee` parser;
+each benchmark sets `func(args) -> int`. Errors are raised as `BenchError` (a ValueError),
+which `specee`'s main turns into one `specee: error: ...` line. `main(argv)` runs the same
+commands standalone: `python -m specee.bench.cli speed --count 1 ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..cli import DTYPE_CHOICES, device_arg, positive_int
+from .common import (DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, load_prompts, parse_list, write_json,
+                     write_text)
+
+
+
+def _nonneg(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return n
+
+
+# ---- shared arguments ----------------------------------------------------------------------------
+def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options: bool = True,
+                    count: int = 1, max_new_tokens: int = 128) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--model", metavar="DIR", default=None,
+                   help="target checkpoint (default: <shared>/models/ref-target-24L)")
+    g.add_argument("--draft", metavar="DIR|ngram", default=None,
+                   help="drafter: a draft model directory or 'ngram' (default with the default --model: "
+                        "<shared>/models/ref-draft-4L; required with --model)")
+    if bank:
+        g.add_argument("--bank", metavar="DIR", default=None,
+                       help="predictor bank directory (default: calibrate once and cache under ~/.cache/specee, "
+                            "or $SPECEE_CACHE)")
+    g.add_argument("--k", type=positive_int, default=4, help="speculative tokens per step (default: 4)")
+    g.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--shared", metavar="DIR", default=None,
+                   help="the shared models/data folder (default: ../shared next to the repository)")
+    d = p.add_argument_group("prompts")
+    d.add_argument("--prompts", metavar="FILE", default=None,
+                   help="prompt file (.jsonl with 'turns'/'prompt'/'instruction', .json list, or .txt one per line; "
+                        "default: <shared>/data/spec_bench/question.jsonl)")
+    d.add_argument("--categories", metavar="A,B", default=None, help="only these categories (comma-separated)")
+    d.add_argument("--count", type=positive_int, default=count,
+                   help=f"prompts per category, first in file order (default: {count})")
+    d.add_argument("--total", type=positive_int, default=None,
+                   help="at most this many prompts in all, round-robin over the categories")
+    d.add_argument("--chat", choices=("auto", "yes", "no"), default="auto",
+                   help="wrap prompts in the chat template (default: auto = if the tokenizer has one)")
+    d.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+                   help=f"tokens to generate per prompt (default: {max_new_tokens})")
+    if ee_options:
+        e = p.add_argument_group("early-exit options (EarlyExitConfig)")
+        e.add_argument("--threshold-scale", type=float, default=1.0, help="scale of the thresholds' distance from 1 "
+                       "(> 1 = lower thresholds = more exits; default 1)")
+        e.add_argument("--offline-size", type=_nonneg, default=None,
+                       help="offline schedule: the bank's first N ranked layers (default: the bank's set)")
+        e.add_argument("--online-window", type=_nonneg, default=4, help="online schedule window (default 4)")
+        e.add_argument("--online-radius", type=_nonneg, default=1, help="online schedule radius (default 1)")
+        e.add_argument("--max-pending", type=positive_int, default=8,
+                       help="most carried rows / unverified tokens before a forced full-depth step (default 8)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", metavar="DIR", default=None, help="write report.json, report.md and PNG figures here")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def ee_options(args: argparse.Namespace) -> dict[str, Any]:
+    if not hasattr(args, "threshold_scale"):
+        return {}
+    return {"threshold_scale": args.threshold_scale, "offline_size": args.offline_size,
+            "online_window": args.online_window, "online_radius": args.online_radius,
+            "max_pending": args.max_pending}
+
+
+def resolve_models(args: argparse.Namespace) -> tuple[Path, str]:
+    """(target dir, drafter) from --model/--draft, defaulting to the reference pair in ../shared."""
+    shared = find_shared(args.shared)
+    if args.model is None:
+        if shared is None:
+            raise BenchError("no --model given and the shared folder (../shared) was not found; pass --model DIR "
+                             "--draft DIR|ngram (or --shared DIR)")
+        model = shared.joinpath(*DEFAULT_TARGET)
+        draft = args.draft or str(shared.joinpath(*DEFAULT_DRAFT))
+    else:
+        model = Path(args.model).expanduser()
+        if args.draft is None:
+            raise BenchError("--draft is required with --model: a draft model directory sharing the target's "
+                             "tokenizer, or 'ngram'")
+        draft = args.draft
+    if not model.is_dir():
+        raise BenchError(f"model directory not found: {model}")
+    if draft != "ngram" and not Path(draft).expanduser().is_dir():
+        raise BenchError(f"draft model directory not found: {draft} (or use --draft ngram)")
+    return model, (draft if draft == "ngram" else str(Path(draft).expanduser()))
+
+
+def load_target(args: argparse.Namespace, model: Path):
+    import torch
+
+    from ..engine.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchError(f"--device {args.device}: CUDA is not available (torch {torch.__version__})")
+    return LLM(model, device=args.device, dtype=args.dtype, progress=not args.no_progress)
+
+
+def prompts_from(args: argparse.Namespace):
+    return load_prompts(args.prompts, parse_list(args.categories), args.count, args.total, args.shared)
+
+
+def argv_of(args: argparse.Namespace) -> list[str]:
+    return getattr(args, "_argv", None) or ["specee", *sys.argv[1:]]
+
+
+def finish(args: argparse.Namespace, report: dict[str, Any], markdown: str, figures: dict[str, Any]) -> int:
+    """Print the Markdown summary; with --out write report.json, report.md and the figures."""
+    sys.stdout.write(markdown if markdown.endswith("\n") else markdown + "\n")
+    sys.stdout.flush()
+    if args.out:
+        out = Path(args.out)
+        written = [write_json(out / "report.json", report)]
+        made = []
+        for name, plot in figures.items():
+            path = plot(report, out / name)
+            if path is not None:
+                made.append(path)
+        if made:
+            markdown += "\n## Figures\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in made) + "\n"
+        written.append(write_text(out / "report.md", markdown))
+        written += made
+        print(f"specee bench: wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    return 0
+
+
+# ---- the benchmarks ---------------------------------------------------------------------------
+def cmd_speed(args: argparse.Namespace) -> int:
+    from . import plots
+    from .speed import POLICIES, run_speed, speed_markdown
+
+    policies = parse_list(args.policies) or []
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise BenchError(f"--policies: unknown {bad}; choose from {', '.join(POLICIES)}")
+    model, draft = resolve_models(args)
+    prompts = prompts_from(args)
+    llm = load_target(args, model)
+    report = run_speed(llm, prompts, draft=draft, bank=args.bank, k=args.k, max_new_tokens=args.max_new_tokens,
+                       repeats=args.repeats, warmup=args.warmup, policies=policies, lossless=not args.no_lossless,
+                       hf=not args.no_hf, chat=args.chat, ee_options=ee_options(args),
+                       show_progress=not args.no_progress, argv=argv_of(args))
+    return finish(args, report, speed_markdown(report),
+                  {"exit_histogram.png": plots.plot_exit_histograms, "throughput.png": plots.plot_throughput})
+
+
+def cmd_quality(args: argparse.Namespace) -> int:
+    from . import plots
+    from .quality import MC_TASKS, quality_markdown, run_quality
+
+    parts = parse_list(args.parts) or []
+    tasks = parse_list(args.mc_tasks) or []
+    bad = [t for t in tasks if t not in MC_TASKS]
+    if bad:
+        raise BenchError(f"--mc-tasks: unknown {bad}; choose from {', '.join(MC_TASKS)}")
+    model, draft = resolve_models(args)
+    prompts = prompts_from(args) if "agreement" in parts else []
+    llm = load_target(args, model)
+    report = run_quality(llm, prompts, draft=draft, bank=args.bank, k=args.k, policies=parse_list(args.policies) or [],
+                         parts=parts, max_new_tokens=args.max_new_tokens, chat=args.chat, ppl_tokens=args.ppl_tokens,
+                         ppl_window=args.ppl_window, ppl_file=args.ppl_file, mc_tasks=tasks, mc_items=args.mc_items,
+                         shots=args.shots, mmlu_subjects=parse_list(args.mmlu_subjects), shared=args.shared,
+                         ee_options=ee_options(args), show_progress=not args.no_progress, argv=argv_of(args))
+    return finish(args, report, quality_markdown(report), {"quality.png": plots.plot_quality})
+
+
+def cmd_oracle(args: argparse.Namespace) -> int:
+    from . import plots
+    from .oracle import oracle_markdown, run_oracle
+
+    model, draft = resolve_models(args)
+    prompts = prompts_from(args)
+    llm = load_target(args, model)
+    report = run_oracle(llm, prompts, draft=draft, k=args.k, max_new_tokens=args.max_new_tokens, chat=args.chat,
+                        show_progress=not args.no_progress, argv=argv_of(args))
+    return finish(args, report, oracle_markdown(report), {"oracle_exit_layers.png": plots.plot_oracle})
+
+
+def _offline_sizes(value: str) -> list[int | None]:
+    out: list[int | None] = []
+    for v in (value or "").split(","):
+        v = v.strip()
+        if not v:
+            continue
+        if v == "bank":
+            out.append(None)
+            continue
+        try:
+            out.append(int(v))
+        except ValueError:
+            raise BenchError(f"--offline-sizes: expected integers or 'bank', got {v!r}") from None
+    return out
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from . import plots
+    from .speed import POLICIES
+    from .sweep import run_sweep, sweep_markdown
+
+    if args.policy not in POLICIES:
+        raise BenchError(f"--policy must be one of {', '.join(POLICIES)}")
+    scales = parse_list(args.scales, float) or []
+    if any(s <= 0 for s in scales):
+        raise BenchError("--scales must be > 0")
+    model, draft = resolve_models(args)
+    prompts = prompts_from(args)
+    llm = load_target(args, model)
+    opts = ee_options(args)
+    report = run_sweep(llm, prompts, draft=draft, bank=args.bank, k=args.k, policy=args.policy, scales=scales,
+                       offline_sizes=_offline_sizes(args.offline_sizes),
+                       online_windows=parse_list(args.online_windows, int) or [], grid=args.grid,
+                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, chat=args.chat,
+                       ee_options=opts, show_progress=not args.no_progress, argv=argv_of(args))
+    return finish(args, report, sweep_markdown(report), {"pareto.png": plots.plot_pareto})
+
+
+# ---- registration -----------------------------------------------------------------------------
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `bench` (with speed / quality / oracle / sweep) on a subparsers object."""
+    p = subparsers.add_parser("bench", help="benchmarks: speed, quality, oracle bound, threshold sweep",
+                              description="Measure specee: decoding speed, quality under early exit, the oracle "
+                                          "bound of a model + drafter, and threshold/schedule sweeps. Each prints a "
+                                          "Markdown summary; --out DIR also writes report.json, report.md and PNGs.")
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+
+    s = sub.add_parser("speed", help="tokens/s: transformers, full depth, early exit per KV policy, lossless",
+                       description="Batch-1 greedy decoding speed on a prompt set; every configuration decodes "
+                                   "exactly --max-new-tokens tokens (EOS ignored).")
+    add_common_args(s, count=1, max_new_tokens=128)
+    s.add_argument("--repeats", type=positive_int, default=3, help="timed runs per prompt; the median counts (default 3)")
+    s.add_argument("--warmup", type=_nonneg, default=1, help="untimed warm-up runs per configuration (default 1)")
+    s.add_argument("--policies", default="skip,propagate,recompute", help="KV policies to run in lossy mode")
+    s.add_argument("--no-lossless", action="store_true", help="skip lossless mode")
+    s.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    s.set_defaults(func=cmd_speed)
+
+    q = sub.add_parser("quality", help="agreement with full depth, perplexity, multiple-choice accuracy",
+                       description="Quality of lossy early exit against the full model: teacher-forced agreement "
+                                   "on a prompt set, WikiText-2 perplexity, and few-shot multiple choice "
+                                   "(CommonsenseQA, SST-2, MMLU) with 95% Wilson intervals and McNemar tests.")
+    add_common_args(q, count=1, max_new_tokens=128)
+    q.add_argument("--policies", default="skip,propagate,recompute", help="KV policies to evaluate")
+    q.add_argument("--parts", default="agreement,ppl,mc", help="which parts: agreement, ppl, mc")
+    q.add_argument("--ppl-tokens", type=positive_int, default=2048, help="tokens scored for perplexity (default 2048)")
+    q.add_argument("--ppl-window", type=positive_int, default=512, help="perplexity window in tokens (default 512)")
+    q.add_argument("--ppl-file", metavar="FILE", default=None,
+                   help="text for perplexity (default: <shared>/data/text/wikitext2_test.txt)")
+    q.add_argument("--mc-tasks", default="csqa,sst2,mmlu", help="multiple-choice tasks: csqa, sst2, mmlu")
+    q.add_argument("--mc-items", type=positive_int, default=100, help="items per task (default 100)")
+    q.add_argument("--shots", type=_nonneg, default=3, help="few-shot exemplars (dropped if the context is short)")
+    q.add_argument("--mmlu-subjects", default=None, help="MMLU subjects (default: all, round-robin)")
+    q.set_defaults(func=cmd_quality)
+
+    o = sub.add_parser("oracle", help="oracle exit layers and the speedup bound of a model + drafter",
+                       description="Logit-lens oracle: the first layer whose argmax is and stays the final token, "
+                                   "full depth where the drafter's top-k misses it; bound = L / mean.")
+    add_common_args(o, bank=False, ee_options=False, count=3, max_new_tokens=128)
+    o.set_defaults(func=cmd_oracle)
+
+    w = sub.add_parser("sweep", help="threshold and schedule sweep: speedup vs agreement, Pareto plot",
+                       description="Sweep threshold_scale, offline schedule size and online window; per point the "
+                                   "speedup against full depth (same run) and teacher-forced agreement.")
+    add_common_args(w, count=1, max_new_tokens=64)
+    w.add_argument("--policy", default="recompute", help="KV policy (default: recompute)")
+    w.add_argument("--scales", default="0.5,0.75,1,1.25,1.5,2", help="threshold_scale values")
+    w.add_argument("--offline-sizes", default="0,2,4,8", help="offline schedule sizes ('bank' = the bank's own)")
+    w.add_argument("--online-windows", default="0,1,2,4,8", help="online window sizes")
+    w.add_argument("--grid", action="store_true", help="the full cross product instead of one-at-a-time sweeps")
+    w.add_argument("--repeats", type=positive_int, default=1, help="timed runs per prompt and point (default 1)")
+    w.add_argument("--warmup", type=_nonneg, default=1, help="untimed warm-up runs (default 1)")
+    w.set_defaults(func=cmd_sweep)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry: `python -m specee.bench.cli [bench] speed ...`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] != "bench" and not argv[0].startswith("-"):
+        argv = ["bench", *argv]
+    parser = argparse.ArgumentParser(prog="specee")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    args._argv = ["specee", *argv]
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        print(f"specee: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

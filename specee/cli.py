@@ -1,0 +1,527 @@
+"""The `specee` command line: `specee generate | chat | info` (also `python -m specee`).
+
+Layout, so that more subcommands and flags slot in without touching the others:
+
+* `add_model_args(parser)`    --model / --device / --dtype, shared by every command that loads a model
+* `add_sampling_args(parser)` --max-new-tokens / --temperature / --top-k / --top-p / --seed / --stop
+* `load_llm(args)`            the one place an `LLM` is built from parsed arguments (early-exit
+                              options such as --draft / --bank / --no-exit / --mode belong here)
+* one `add_<name>_parser(subparsers)` + one `cmd_<name>(args) -> int` per subcommand, listed in
+  `SUBCOMMANDS`; `main(argv=None)` parses, dispatches and turns library errors into one line
+  `specee: error: ...` with exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+PROG = "specee"
+DEFAULT_MODEL = Path("../shared/models/ref-target-24L")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+EXIT_USAGE = 2  # bad arguments or a library error (argparse uses 2 as well)
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as `specee: error: <message>` and exit status 2."""
+
+
+# ---- shared arguments ----------------------------------------------------------------------
+def default_model_candidates() -> list[Path]:
+    """Where the default model may live: relative to the current directory, then to the repo root."""
+    return [Path.cwd() / DEFAULT_MODEL, REPO_ROOT / DEFAULT_MODEL]
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is not None:
+        return Path(model).expanduser()
+    candidates = default_model_candidates()
+    for path in candidates:
+        if path.is_dir():
+            return path.resolve()
+    looked = ", ".join(str(p) for p in dict.fromkeys(candidates))
+    raise CLIError(f"no --model given and the default model {DEFAULT_MODEL} was not found (looked in {looked}); "
+                   "pass --model DIR, a Hugging Face checkpoint directory")
+
+
+def device_arg(value: str) -> str:
+    if value == "cpu" or value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose cpu, cuda or cuda:N)")
+
+
+def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True) -> None:
+    """--model, plus --device and --dtype when the command runs the model."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", metavar="DIR", default=None,
+                   help=f"Hugging Face checkpoint directory (default: {DEFAULT_MODEL}, looked up relative to "
+                        "the current directory and to the specee repository root)")
+    if runtime:
+        g.add_argument("--device", type=device_arg, default="cpu", metavar="{cpu,cuda}",
+                       help="where to run (default: cpu; cuda:N picks a GPU)")
+        g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
+
+
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N",
+                   help="most tokens to generate (default: 128)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 = greedy (default), > 0 samples")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, metavar="N", help="random seed for sampling (reproducible runs)")
+    g.add_argument("--stop", nargs="+", action="extend", default=[], metavar="S",
+                   help="stop when any of these strings is produced (not included in the output)")
+
+
+def sampling_params(args: argparse.Namespace):
+    from .sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+
+
+DEFAULT_DRAFT = Path("../shared/models/ref-draft-4L")
+
+
+def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("early exit (SpecEE)")
+    g.add_argument("--draft", metavar="DIR|ngram", default=None,
+                   help="drafter for the speculative tokens: a draft model directory sharing the target's "
+                        "tokenizer, or 'ngram' (training-free prompt lookup). Default: ref-draft-4L for the "
+                        "default reference model; without a drafter, decoding runs at full depth")
+    g.add_argument("--bank", metavar="DIR", default=None,
+                   help="predictor bank from `specee calibrate` (default: calibrate once and cache it under "
+                        "~/.cache/specee, or $SPECEE_CACHE)")
+    g.add_argument("--no-exit", action="store_true", help="run every token at full depth")
+    g.add_argument("--mode", choices=("lossy", "lossless"), default="lossy",
+                   help="lossy: SpecEE's early exit; lossless: exits are drafts verified by the full model, "
+                        "output identical to full depth (default: lossy)")
+    g.add_argument("--kv-policy", choices=("skip", "propagate", "recompute"), default="recompute",
+                   help="how the KV entries of skipped layers are filled (default: recompute, exact)")
+    g.add_argument("--k", type=positive_int, default=4, help="speculative tokens per step (default: 4)")
+    g.add_argument("--threshold-scale", type=float, default=1.0, metavar="S",
+                   help="scale the bank's thresholds' distance from 1: > 1 exits more, < 1 less (default: 1)")
+    g.add_argument("--max-pending", type=positive_int, default=8, metavar="N",
+                   help="carried rows / unverified tokens before a forced full-depth step (default: 8)")
+    g.add_argument("--offline-size", type=positive_int, default=None, metavar="N",
+                   help="offline predictor layers to use (default: the bank's set)")
+    g.add_argument("--online-window", type=int, default=4, metavar="N",
+                   help="recent tokens whose exit layers get online predictors (default: 4; 0 = off)")
+
+
+def default_draft(model_dir: Path) -> Path | None:
+    """The reference draft, when the target is the shipped reference model."""
+    for candidate in default_model_candidates():
+        if candidate.is_dir() and candidate.resolve() == model_dir.resolve():
+            draft = candidate.parent / DEFAULT_DRAFT.name
+            return draft if draft.is_dir() else None
+    return None
+
+
+def early_exit_config(args: argparse.Namespace, model_dir: Path):
+    """The EarlyExitConfig the flags ask for, or None for full depth."""
+    from .engine.early_exit import EarlyExitConfig
+
+    if getattr(args, "no_exit", True):
+        return None
+    draft = args.draft if args.draft is not None else default_draft(model_dir)
+    if draft is None:
+        if args.bank is not None or args.mode == "lossless":
+            raise CLIError("early exit needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
+        return None
+    return EarlyExitConfig(draft=str(draft), bank=args.bank, k=args.k, kv_policy=args.kv_policy, mode=args.mode,
+                           offline_size=args.offline_size, online_window=args.online_window,
+                           max_pending=args.max_pending, threshold_scale=args.threshold_scale)
+
+
+def load_llm(args: argparse.Namespace):
+    """Build the LLM the command asked for (the single place model-loading options are read)."""
+    import torch
+
+    from .engine.llm import LLM
+
+    model_dir = resolve_model_dir(args.model)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}); use --device cpu")
+    config = early_exit_config(args, model_dir) if hasattr(args, "no_exit") else None
+    return LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config)
+
+
+def stats_line(stats) -> str:
+    line = (f"{stats.generated_tokens} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s; "
+            f"decode {stats.decode_tokens_per_second:.1f} tokens/s; prompt {stats.prompt_tokens} tokens)")
+    ee = stats.early_exit
+    if ee:
+        line += (f"; early exit {ee['mode']}/{ee['kv_policy']}: mean {ee['mean_exit_layer']:.1f} of "
+                 f"{ee['num_layers']} layers, {ee['exits_accepted']} exits")
+        if "lossless" in ee:
+            line += f", {ee['lossless']['rollbacks']} rollbacks"
+    return line
+
+
+def print_stats(stats, detailed: bool) -> None:
+    if not detailed:
+        print(f"[{stats_line(stats)}]", file=sys.stderr)
+        return
+    for key, value in stats.as_dict().items():
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        print(f"{key:>26}: {value}", file=sys.stderr)
+
+
+def note(message: str) -> None:
+    print(f"{PROG}: note: {message}", file=sys.stderr)
+
+
+def write_out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# ---- specee generate -----------------------------------------------------------------------
+def add_generate_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
+                       description="Generate a completion for one prompt. Text streams to stdout; "
+                                   "a stats line goes to stderr afterwards.")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt; '-' reads it from stdin")
+    p.add_argument("--no-chat", action="store_true",
+                   help="use the prompt as raw text (default: wrap it in the model's chat template if it has one)")
+    add_model_args(p)
+    add_sampling_args(p)
+    add_early_exit_args(p)
+    out = p.add_argument_group("output")
+    out.add_argument("--stats", action="store_true", help="print all request statistics to stderr, one per line")
+    out.add_argument("--json", action="store_true",
+                     help="print one JSON object (text, token ids, finish reason, stats) instead of streaming")
+    p.set_defaults(func=cmd_generate)
+    return p
+
+
+def read_prompt(value: str) -> str:
+    if value != "-":
+        return value
+    text = sys.stdin.read()
+    return text[:-1] if text.endswith("\n") else text  # the newline `echo` adds is not part of the prompt
+
+
+def use_chat_template(llm, no_chat: bool) -> bool:
+    if no_chat:
+        return False
+    if llm.tokenizer.chat_template is None:
+        note(f"{llm.model_dir} has no chat template; using the prompt as raw text (--no-chat silences this)")
+        return False
+    return True
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args.prompt)
+    params = sampling_params(args)  # before loading, so bad values fail fast
+    llm = load_llm(args)
+    chat = use_chat_template(llm, args.no_chat)
+    if args.json:
+        out = llm.generate(prompt, params, chat=chat)[0]
+        print(json.dumps({"model": str(llm.model_dir), "prompt": prompt, "chat": chat, "text": out.text,
+                          "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
+                          "finish_reason": out.finish_reason, "stats": out.stats.as_dict()}, ensure_ascii=False))
+        return 0
+    for delta in llm.stream(prompt, params, chat=chat):
+        write_out(delta)
+    write_out("\n")
+    print_stats(llm.last_output.stats, args.stats)
+    return 0
+
+
+# ---- specee chat ---------------------------------------------------------------------------
+CHAT_HELP = "commands: /reset clears the conversation, /exit (or end of input) quits"
+
+
+def add_chat_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("chat", help="interactive multi-turn chat with the model's chat template",
+                       description="Interactive chat. Each turn renders the whole conversation with the "
+                                   f"model's chat template. {CHAT_HELP}.")
+    p.add_argument("--system", metavar="TEXT", default=None, help="a system message that starts the conversation")
+    add_model_args(p)
+    add_sampling_args(p)
+    add_early_exit_args(p)
+    p.add_argument("--stats", action="store_true", help="print a stats line to stderr after every reply")
+    p.set_defaults(func=cmd_chat)
+    return p
+
+
+def read_line(prompt: str) -> str | None:
+    """One line of user input, or None at end of input; the prompt is shown only on a terminal."""
+    if sys.stdin.isatty():
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+    line = sys.stdin.readline()
+    return line.rstrip("\r\n") if line else None
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = load_llm(args)
+    if llm.tokenizer.chat_template is None:
+        raise CLIError(f"{llm.model_dir} has no chat template, which chat needs; "
+                       "use `specee generate --no-chat --prompt ...` for raw text")
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict[str, str]] = list(start)
+    if sys.stdin.isatty():
+        print(f"chatting with {llm.model_dir} ({CHAT_HELP})", file=sys.stderr)
+    while True:
+        line = read_line(">>> ")
+        if line is None or line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = list(start)
+            note("conversation cleared")
+            continue
+        if line.strip() == "/help":
+            note(CHAT_HELP)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            ids = llm.tokenizer.encode_chat(messages)
+            for delta in llm.stream(ids, params):
+                write_out(delta)
+        except ValueError as e:  # e.g. the conversation outgrew the context: keep the session going
+            messages.pop()
+            write_out("\n")
+            print(f"{PROG}: error: {e} (/reset starts a new conversation)", file=sys.stderr)
+            continue
+        write_out("\n")
+        out = llm.last_output
+        messages.append({"role": "assistant", "content": out.text})
+        if args.stats:
+            print_stats(out.stats, False)
+
+
+# ---- specee info ---------------------------------------------------------------------------
+def add_info_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("info", help="show a checkpoint's parsed configuration (no weights are loaded)",
+                       description="Parse a checkpoint's config.json, tokenizer and weight headers and "
+                                   "print what specee will run.")
+    add_model_args(p, runtime=False)
+    p.add_argument("--json", action="store_true", help="print the fields as one JSON object")
+    p.set_defaults(func=cmd_info)
+    return p
+
+
+def count_parameters(model_dir: Path) -> tuple[int, int]:
+    """(parameter count, bytes on disk) from the safetensors headers, without reading tensor data."""
+    from safetensors import safe_open
+
+    from .model.weights import find_weight_files
+
+    count = size = 0
+    for file in find_weight_files(model_dir):
+        size += file.stat().st_size
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                n = 1
+                for d in f.get_slice(name).get_shape():
+                    n *= d
+                count += n
+    return count, size
+
+
+def model_info(model_dir: Path) -> dict[str, Any]:
+    from .model.config import ModelConfig
+    from .tokenizer import Tokenizer
+
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    params, size = count_parameters(model_dir)
+    info: dict[str, Any] = {
+        "model": str(model_dir),
+        "architecture": cfg.architecture,
+        "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "attention_heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "context": cfg.max_position_embeddings,
+        "sliding_window": cfg.sliding_window,
+        "rope_theta": cfg.rope_theta,
+        "rope_type": cfg.rope_type,
+        "tied_embeddings": cfg.tie_word_embeddings,
+        "qkv_bias": cfg.qkv_bias,
+        "checkpoint_dtype": cfg.checkpoint_dtype,
+        "parameters": params,
+        "weights_bytes": size,
+        "eos_token_ids": list(cfg.eos_token_ids),
+    }
+    try:
+        tok = Tokenizer(model_dir)
+        info["tokenizer_vocab"] = tok.vocab_size
+        info["chat_template"] = tok.chat_template is not None
+    except FileNotFoundError:
+        info["tokenizer_vocab"] = None
+        info["chat_template"] = False
+    return info
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = model_info(resolve_model_dir(args.model))
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    gqa = " (GQA)" if info["kv_heads"] != info["attention_heads"] else ""
+    window = f", sliding window {info['sliding_window']}" if info["sliding_window"] else ""
+    tok = ("none (no tokenizer.json)" if info["tokenizer_vocab"] is None else
+           f"{info['tokenizer_vocab']} tokens, chat template: {'yes' if info['chat_template'] else 'no'}")
+    rows = [
+        ("model", info["model"]),
+        ("architecture", info["architecture"]),
+        ("layers", info["layers"]),
+        ("hidden size", f"{info['hidden_size']} (MLP {info['intermediate_size']})"),
+        ("heads / kv heads", f"{info['attention_heads']} / {info['kv_heads']}{gqa}, head_dim {info['head_dim']}"),
+        ("vocab", info["vocab_size"]),
+        ("context", f"{info['context']} tokens{window}"),
+        ("rope", f"theta {info['rope_theta']:g}, type {info['rope_type']}"),
+        ("tied embeddings", "yes" if info["tied_embeddings"] else "no"),
+        ("q/k/v bias", "yes" if info["qkv_bias"] else "no"),
+        ("dtype", f"{info['checkpoint_dtype']} (checkpoint); runs as --dtype auto: float32 on CPU, bfloat16 on CUDA"),
+        ("parameters", f"{info['parameters'] / 1e6:.2f} M ({info['weights_bytes'] / 2**20:.1f} MiB on disk)"),
+        ("eos token ids", ", ".join(map(str, info["eos_token_ids"])) or "none"),
+        ("tokenizer", tok),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+# ---- specee calibrate ----------------------------------------------------------------------
+def add_calibrate_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("calibrate", help="train the exit predictors for a target + drafter",
+                       description="Run the target at full depth over calibration prompts, record the exit "
+                                   "features per layer, train one small predictor per layer, choose thresholds "
+                                   "on held-out data and the offline layer set; save the bank to -o.")
+    add_model_args(p)
+    p.add_argument("--draft", metavar="DIR|ngram", default=None,
+                   help="drafter (default: ref-draft-4L for the default reference model)")
+    p.add_argument("--data", metavar="PATH", default=None,
+                   help="calibration prompts: a file (alpaca .json or .jsonl with text/instruction) or a "
+                        "directory of them (default: ../shared/data/calibration)")
+    p.add_argument("-o", "--output", metavar="BANK", required=True, help="directory to write the bank to")
+    p.add_argument("--prompts", type=positive_int, default=None, metavar="N", help="use at most N prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=96, metavar="N",
+                   help="tokens the target generates per prompt to calibrate on (default: 96)")
+    p.add_argument("--k", type=positive_int, default=4, help="speculative tokens per step (default: 4)")
+    p.add_argument("--offline-size", type=positive_int, default=None, metavar="N",
+                   help="size of the offline layer set (default: a quarter of the layers)")
+    p.add_argument("--json", action="store_true", help="print the calibration summary as JSON")
+    p.set_defaults(func=cmd_calibrate)
+    return p
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .exit.calibrate import calibrate, format_summary, load_calibration_prompts
+
+    prompts = load_calibration_prompts(args.data, limit=args.prompts)
+    args.no_exit = True
+    llm = load_llm(args)
+    draft = args.draft if args.draft is not None else default_draft(llm.model_dir)
+    if draft is None:
+        raise CLIError("calibrate needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
+    drafter = llm.make_drafter(str(draft), args.k)
+    bank = calibrate(llm, llm.tokenizer, drafter, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                     offline_size=args.offline_size, target_fingerprint=llm.fingerprint)
+    path = bank.save(args.output)
+    if args.json:
+        print(json.dumps(bank.manifest()))
+    else:
+        print(format_summary(bank))
+        print(f"bank written to {path}", file=sys.stderr)
+    return 0
+
+
+# ---- entry point ---------------------------------------------------------------------------
+def add_bench_parser(sub) -> argparse.ArgumentParser:
+    from .bench.cli import add_bench_parser as add
+
+    return add(sub)
+
+
+SUBCOMMANDS: list[Callable[[Any], argparse.ArgumentParser]] = [
+    add_generate_parser, add_chat_parser, add_info_parser, add_calibrate_parser, add_bench_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="specee: faster decoding of Hugging Face causal LMs by speculative early exiting")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 2 usage or library error, 130 interrupted)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors: argparse already printed the message
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `specee generate ... | head`: the reader left; stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _stop_workers(1)
+    except (CLIError, ValueError, OSError) as e:
+        sys.stdout.flush()
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return _stop_workers(130)
+
+
+def _stop_workers(code: int) -> int:
+    """Exit at once if a generation thread is still running.
+
+    `LLM.stream` decodes in a daemon thread that cannot be cancelled; letting the interpreter
+    shut down under it aborts inside torch ("terminate called without an active exception").
+    """
+    import threading
+
+    if any(t.daemon and t.is_alive() for t in threading.enumerate()):
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The drafter interface: where the speculative tokens come from.
+
+While token x_n is decoded, a drafter proposes the k most likely tokens for position n+1.
+SpecEE's exit features look only at those k tokens, and an exit is taken only if the
+exiting layer's argmax is one of them, so a drafter's quality bounds how often the target
+can exit early; its cost is paid on every token, so `propose` must be cheap.
+
+A drafter's state is the token history it has consumed (prompt + emitted tokens):
+`reset(prompt)` starts it, `advance(token)` appends one token, `truncate(length)` rolls it
+back (lossless mode), and `propose()` is the top-k for the position after the history.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+
+
+class DrafterMismatchError(ValueError):
+    """A drafter cannot serve this target (different tokenizer / vocabulary)."""
+
+
+class Drafter(ABC):
+    k: int
+    name: str
+    fingerprint: str
+
+    @abstractmethod
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Start a request: the history becomes `prompt_ids`."""
+
+    @abstractmethod
+    def advance(self, token: int) -> None:
+        """Consume one emitted token; `propose()` is then for the position after it."""
+
+    @abstractmethod
+    def propose(self) -> torch.Tensor:
+        """LongTensor [k] of distinct token ids (on the target's device): the drafter's top-k
+        for the position after the history, most likely first."""
+
+    @abstractmethod
+    def truncate(self, length: int) -> None:
+        """Roll back: afterwards the state equals having consumed exactly history[:length]."""
+
+    @abstractmethod
+    def teacher_forced_top_k(self, ids: list[int], start: int) -> torch.Tensor:
+        """[len(ids) - start, k]: row j is what `propose()` returns for token ids[start + j]
+        having consumed ids[:start + j]. Does not change the drafter's request state."""
+
+    def extend(self, tokens: list[int]) -> None:
+        """Consume several tokens (default: `advance` each)."""
+        for t in tokens:
+            self.advance(t)
+
+    @property
+    def history(self) -> list[int]:
+        """The tokens consumed so far (a copy-free view; do not mutate)."""
+        return self._history  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, k={self.k}, fingerprint={self.fingerprint!r})"
+
+
+def _vocab(tokenizer) -> dict[str, int]:
+    tok = getattr(tokenizer, "tok", tokenizer)  # specee Tokenizer wraps a `tokenizers.Tokenizer`
+    return tok.get_vocab(with_added_tokens=True)
+
+
+def _special_tokens(tokenizer) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in ("bos_token", "eos_token", "pad_token"):
+        out[name] = getattr(tokenizer, name, None)
+    tok = getattr(tokenizer, "tok", tokenizer)
+    if hasattr(tok, "get_added_tokens_decoder"):
+        for i, added in sorted(tok.get_added_tokens_decoder().items()):
+            if added.special:
+                out[f"special[{i}]"] = added.content
+    return out
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_dir: str | Path | None = None,
+                         draft_dir: str | Path | None = None) -> None:
+    """Refuse a drafter whose token ids do not mean the same strings as the target's.
+
+    Compares the full vocabularies (token string -> id, added tokens included) of the
+    underlying `tokenizers` objects and the special tokens (bos/eos/pad and added special
+    tokens). Raises DrafterMismatchError naming the sizes and a few differing tokens.
+    """
+    target_name, draft_name = str(target_dir or "target"), str(draft_dir or "draft")
+    tv, dv = _vocab(target_tokenizer), _vocab(draft_tokenizer)
+    problems: list[str] = []
+    if tv != dv:
+        only_t = sorted(set(tv) - set(dv), key=lambda s: tv[s])
+        only_d = sorted(set(dv) - set(tv), key=lambda s: dv[s])
+        moved = sorted((s for s in set(tv) & set(dv) if tv[s] != dv[s]), key=lambda s: tv[s])
+        msg = f"vocabularies differ ({len(tv)} tokens in the target's, {len(dv)} in the draft's)"
+        if only_t:
+            msg += f"; {len(only_t)} only in the target, e.g. {[ (s, tv[s]) for s in only_t[:3]]}"
+        if only_d:
+            msg += f"; {len(only_d)} only in the draft, e.g. {[ (s, dv[s]) for s in only_d[:3]]}"
+        if moved:
+            msg += f"; {len(moved)} with different ids, e.g. {[(s, tv[s], dv[s]) for s in moved[:3]]} (token, target id, draft id)"
+        problems.append(msg)
+    ts, ds = _special_tokens(target_tokenizer), _special_tokens(draft_tokenizer)
+    diff = {k: (ts.get(k), ds.get(k)) for k in sorted(set(ts) | set(ds)) if ts.get(k) != ds.get(k)}
+    if diff:
+        shown = ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in list(diff.items())[:4])
+        problems.append(f"special tokens differ (target vs draft): {shown}")
+    if problems:
+        raise DrafterMismatchError(
+            f"draft {draft_name} cannot draft for target {target_name}: its tokenizer differs; "
+            + "; ".join(problems)
+            + ". A drafter must share the target's tokenizer (use a draft model from the same family, "
+              "or the training-free n-gram drafter)")

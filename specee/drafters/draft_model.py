@@ -1,0 +1,167 @@
+"""A small causal LM as the drafter: its greedy top-k for the next position.
+
+The draft model runs through specee's own runtime (`Transformer.load`) with its own
+batch-1 KV cache. `advance` only records the token; the forward runs lazily in
+`propose()`, so several tokens consumed at once (a rollback in lossless mode, a prompt)
+go through the draft model in one forward, and a `truncate` right after an `advance`
+costs nothing. The per-token path is lean: cache slots, RoPE rows and the LM head slice
+are views of tensors prepared once; the only per-step allocations are the layer
+activations and the one-token input. Nothing is copied to the host.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..model.kv_cache import KVCache
+from ..model.llama import StepInputs, Transformer
+from ..model.weights import fingerprint_weights
+from ..tokenizer import Tokenizer
+from .base import Drafter, check_same_tokenizer
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model_dir: str | Path, target_tokenizer: Tokenizer, k: int = 4,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_len: int = 512,
+                 *, target_dir: str | Path | None = None, vocab_size: int | None = None):
+        """model_dir: the draft checkpoint; target_tokenizer: the target's tokenizer (the draft's
+        must be identical, else DrafterMismatchError); max_len: initial KV capacity (grows on
+        demand; `reset(prompt, max_new_tokens)` sizes it for a request). vocab_size: the
+        target's vocabulary rows (proposals are restricted to ids below it; default: the
+        tokenizer's vocabulary size)."""
+        self.model_dir = Path(model_dir)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        draft_tokenizer = Tokenizer(self.model_dir)
+        check_same_tokenizer(target_tokenizer, draft_tokenizer, target_dir, self.model_dir)
+        self.model = Transformer.load(self.model_dir, device, dtype)
+        cfg = self.model.cfg
+        limit = min(cfg.vocab_size, vocab_size or target_tokenizer.vocab_size)
+        if k > limit:
+            raise ValueError(f"k={k} exceeds the vocabulary ({limit} tokens)")
+        self.k = k
+        self.name = f"draft:{self.model_dir.name}"
+        self.fingerprint = fingerprint_weights(self.model_dir)
+        self.device = self.model.device
+        self._head = self.model.lm_head_weight[:limit]  # a view: rows the target can emit
+        self.context = cfg.max_position_embeddings if cfg.sliding_window is None else min(
+            cfg.max_position_embeddings, cfg.sliding_window)
+        self._cache = self._new_cache(max(1, min(max_len, self.context)))
+        self._history: list[int] = []
+        self._offset = 0  # history index of cache slot 0 (> 0 only past the draft's context)
+        self._n = 0  # history tokens in the cache: history[offset : offset + n]
+        self._topk: torch.Tensor | None = None
+
+    # ---- cache management ------------------------------------------------------------------
+    @torch.inference_mode()
+    def _new_cache(self, max_len: int) -> KVCache:
+        cache = self.model.new_cache(1, max_len)
+        self._slots = torch.arange(max_len, device=self.device)
+        return cache
+
+    @torch.inference_mode()
+    def _ensure_capacity(self, needed: int) -> None:
+        cache = self._cache
+        if needed <= cache.max_len:
+            return
+        new_len = min(max(needed, 2 * cache.max_len), self.context)
+        grown = self._new_cache(new_len)
+        grown.k[:, :, :, : self._n] = cache.k[:, :, :, : self._n]
+        grown.v[:, :, :, : self._n] = cache.v[:, :, :, : self._n]
+        grown.length = self._n
+        self._cache = grown
+
+    # ---- the forward -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run(self, tokens: list[int]) -> None:
+        """Push tokens (the pending tail of the history) through the draft; keep the top-k."""
+        S = len(tokens)
+        if self._n + S > self.context:  # past the draft's context: keep the last half-context
+            self._offset = len(self._history) - self.context // 2
+            self._n = 0
+            tokens = self._history[self._offset:]
+            S = len(tokens)
+        n = self._n
+        self._ensure_capacity(n + S)
+        model, cache = self.model, self._cache
+        slots = self._slots[n : n + S]
+        D = model.cfg.head_dim
+        cos = model.cos_table[n : n + S].view(1, 1, S, D)
+        sin = model.sin_table[n : n + S].view(1, 1, S, D)
+        mask = None
+        if S > 1:
+            mask = (self._slots[: n + S][None, :] <= slots[:, None]).view(1, 1, S, n + S)
+        step = StepInputs(slots=slots, cos=cos, sin=sin, mask=mask, kv_len=n + S)
+        ids = torch.tensor([tokens], device=self.device)
+        h = model.embed(ids)
+        for i in range(model.cfg.num_layers):
+            h = model.layer(i, h, step, cache)
+        logits = F.linear(model.norm(h[0, -1:]), self._head)  # [1, V]
+        self._topk = logits.topk(self.k, dim=-1).indices[0]
+        self._n = n + S
+        cache.length = self._n
+
+    # ---- the Drafter interface ----------------------------------------------------------------
+    def reset(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
+        if not prompt_ids:
+            raise ValueError("empty prompt: the drafter needs at least one token")
+        self._history = list(prompt_ids)
+        self._offset, self._n, self._topk = 0, 0, None
+        self._cache.length = 0
+        if max_new_tokens is not None:
+            self._ensure_capacity(min(len(prompt_ids) + max_new_tokens, self.context))
+
+    def advance(self, token: int) -> None:
+        self._history.append(int(token))
+
+    def extend(self, tokens: list[int]) -> None:
+        self._history.extend(int(t) for t in tokens)
+
+    def propose(self) -> torch.Tensor:
+        pending = len(self._history) - (self._offset + self._n)
+        if pending > 0:
+            self._run(self._history[len(self._history) - pending:])
+        elif self._topk is None:
+            raise RuntimeError("propose() before reset(): the drafter has no history")
+        return self._topk
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= len(self._history):
+            raise ValueError(f"cannot truncate a history of {len(self._history)} tokens to {length}")
+        if length == len(self._history):
+            return
+        del self._history[length:]
+        if self._offset + self._n > length or (self._topk is None and self._offset + self._n == length):
+            # the logits of the new last token are gone: re-run that one token on propose()
+            keep = length - 1 - self._offset
+            if keep < 0:  # rolled back before the window: rebuild it from the history
+                self._offset = max(0, length - self.context // 2)
+                keep = 0
+            self._n = keep
+            self._cache.length = keep
+            self._topk = None
+
+    @torch.inference_mode()
+    def teacher_forced_top_k(self, ids: list[int], start: int) -> torch.Tensor:
+        """One forward over ids[:-1] with a fresh cache; row j: top-k after ids[:start + j]."""
+        if not 1 <= start <= len(ids):
+            raise ValueError(f"start must be in [1, {len(ids)}], got {start}")
+        if start == len(ids):
+            return torch.empty(0, self.k, dtype=torch.long, device=self.device)
+        if len(ids) - 1 > self.context:
+            raise ValueError(f"{len(ids) - 1} tokens exceed the draft model's context of {self.context}")
+        model = self.model
+        S = len(ids) - 1
+        cache = model.new_cache(1, S)
+        slots = torch.arange(S, device=self.device)
+        mask = (slots[None, :] <= slots[:, None]).view(1, 1, S, S)
+        step = model.step_inputs(slots[None, :], slots, mask, S)
+        h = model.forward(torch.tensor([ids[:-1]], device=self.device), step, cache)[0, start - 1:]
+        logits = F.linear(model.norm(h), self._head)
+        return logits.topk(self.k, dim=-1).indices
+
+    def teacher_forced_top_k_batch(self, seqs: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+        """`teacher_forced_top_k` for several sequences (one forward each; the draft is small)."""
+        return [self.teacher_forced_top_k(ids, s) for ids, s in zip(seqs, starts)]

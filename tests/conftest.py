@@ -1,0 +1,115 @@
+"""Shared fixtures: the real models in ../shared (loaded once per session) and tiny random
+checkpoints built with transformers (built once per session, in a temporary directory)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))  # `import checkpoints` from the test modules
+
+SHARED = TESTS.parents[1] / "shared"  # ../shared from the repository root
+MODELS = SHARED / "models"
+REAL_MODELS = ("stories260K", "ref-target-24L")
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Run a module's tests with one torch thread, then restore the setting.
+
+    On a small shared CPU box (2 cores, other jobs running) torch's multi-threaded kernels stall
+    on each other: a 64-token batched decode of stories260K measured 0.13 s with one thread and
+    7-9 s with two. Correctness tests do not need the parallelism; both sides of every parity
+    comparison run under the same setting. Opt in with
+    `pytestmark = pytest.mark.usefixtures("single_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def real_model_dir(name: str) -> Path:
+    """The path of a real model under ../shared/models, or skip the test with the reason."""
+    path = MODELS / name
+    if not (path / "config.json").exists():
+        pytest.skip(f"real model {name!r} not available: {path} is absent (the shared models folder "
+                    "../shared/models is not mounted next to the repository)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_llm():
+    """real_llm(name) -> specee LLM in float32, loaded once per session."""
+    from specee import LLM
+
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = LLM(real_model_dir(name), dtype="float32")
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_hf():
+    """real_hf(name) -> transformers model in float32 (the reference), loaded once per session."""
+    from checkpoints import load_hf
+
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = load_hf(real_model_dir(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = AutoTokenizer.from_pretrained(str(real_model_dir(name)))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(variant) -> directory of a tiny random transformers checkpoint, built once."""
+    from checkpoints import make_checkpoint
+
+    cache: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in cache:
+            cache[variant] = make_checkpoint(tmp_path_factory.mktemp(f"ckpt-{variant}") / "model", variant)
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_checkpoint):
+    """tiny_llm(variant) -> specee LLM (float32) on a tiny random checkpoint, loaded once."""
+    from specee import LLM
+
+    cache: dict[str, object] = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            cache[variant] = LLM(tiny_checkpoint(variant), dtype="float32")
+        return cache[variant]
+
+    return get

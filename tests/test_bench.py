@@ -1,0 +1,411 @@
+"""Benchmarks (specee.bench): the quality metrics on cases with known answers, the statistics,
+prompt selection, the oracle, and every `specee bench` subcommand end to end (stories260K,
+n-gram drafter, hand-built predictor banks; SPECEE_CACHE in a temporary directory)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import real_model_dir
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path / "specee-cache"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny-model decode steps are dominated by thread hand-offs; one thread is ~10x faster on a
+    busy machine. Restored after this module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """A private stories260K LLM (not the session one: the benchmarks switch its early-exit config)."""
+    from specee import LLM
+
+    return LLM(real_model_dir("stories260K"), dtype="float32", progress=False)
+
+
+def save_bank(llm, path: Path, k: int, thresholds: list[float], offline: list[int], seed: int | None = None) -> str:
+    """A predictor bank for this target + the n-gram drafter. seed=None: all-zero predictors
+    (probability 0.5 everywhere, so a layer fires iff its threshold is below 0.5); else random ones."""
+    from specee.exit.bank import PredictorBank
+
+    L, hidden = llm.model.cfg.num_layers, 4
+    if seed is None:
+        w1, w2 = torch.zeros(L, 3 * k, hidden), torch.zeros(L, hidden)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        w1, w2 = torch.randn(L, 3 * k, hidden, generator=g), torch.randn(L, hidden, generator=g)
+    drafter = llm.make_drafter("ngram", k)
+    PredictorBank(w1, torch.zeros(L, hidden), w2, torch.zeros(L), thresholds, offline, k,
+                  llm.fingerprint, drafter.fingerprint).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def banks(llm, tmp_path_factory):
+    L = llm.model.cfg.num_layers
+    V = llm.model.cfg.vocab_size
+    root = tmp_path_factory.mktemp("banks")
+    return {
+        # every threshold inf: no predictor ever runs, every token at full depth
+        "never": (save_bank(llm, root / "never", 4, [math.inf] * L, []), 4),
+        # layer 0 always fires (threshold below any probability), the rest disabled; with k = the
+        # vocabulary the layer-0 argmax is always a speculative token, so every token exits at layer 0
+        "layer0_all": (save_bank(llm, root / "layer0_all", V, [-1.0] + [math.inf] * (L - 1), [0]), V),
+        # layer 0 always fires, k = 4 n-gram proposals: exits exactly where layer 0's argmax is proposed
+        "layer0_k4": (save_bank(llm, root / "layer0_k4", 4, [-1.0] + [math.inf] * (L - 1), [0]), 4),
+        # random predictors with threshold 0.5 on the first layers: some exits, some rejections
+        "random": (save_bank(llm, root / "random", 4, [0.5] * (L - 1) + [math.inf], [0, 1, 2], seed=0), 4),
+    }
+
+
+def config(bank, policy="recompute", **kw):
+    from specee.bench.common import make_config
+
+    path, k = bank
+    return make_config("ngram", path, k, kv_policy=policy, max_pending=10**6, **kw)
+
+
+@pytest.fixture(scope="module")
+def cases(llm):
+    """Two prompts with their full-depth greedy continuations (EOS included if reached)."""
+    from specee.bench.quality import full_depth_continuations
+
+    ids = [llm.encode("Once upon a time, there was a little dog."), llm.encode("Lily and Tom went to the park.")]
+    return ids, full_depth_continuations(llm, ids, 24)
+
+
+@torch.inference_mode()
+def layer_lens(llm, prompt: list[int], cont: list[int], layer: int) -> torch.Tensor:
+    """Independent reference: log-softmax of layer `layer`'s logit lens at the positions that
+    predict `cont` (one teacher-forced pass over all layers)."""
+    h = llm.model.hidden_states(prompt + cont[:-1])[layer + 1, len(prompt) - 1:]
+    return torch.log_softmax(llm.model.logits(h).float(), dim=-1)
+
+
+# ---- statistics & prompt selection ---------------------------------------------------------------
+def test_wilson_and_mcnemar_known_values():
+    from specee.bench.common import mcnemar, wilson
+
+    lo, hi = wilson(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
+    assert wilson(0, 10)[0] == 0.0 and wilson(0, 10)[1] == pytest.approx(0.2775, abs=1e-4)
+    assert wilson(10, 10)[1] == pytest.approx(1.0)
+    assert wilson(0, 0) == (0.0, 1.0)
+    assert mcnemar(0, 0) == 1.0
+    assert mcnemar(0, 5) == pytest.approx(0.0625)  # 2 * 0.5**5
+    assert mcnemar(9, 1) == pytest.approx(2 * 11 / 1024)
+    assert mcnemar(3, 3) == 1.0
+
+
+def test_prompt_selection(tmp_path):
+    from specee.bench.common import BenchError, load_prompts
+
+    f = tmp_path / "p.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"{c} {i}", "second turn"]}
+            for i, c in enumerate(["a", "a", "a", "b", "b", "c"])]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    assert [p.id for p in load_prompts(f, count=2)] == ["0", "1", "3", "4", "5"]
+    assert [p.text for p in load_prompts(f, categories=["b"])] == ["b 3", "b 4"]
+    picked = load_prompts(f, total=4)
+    assert sorted(p.category for p in picked) == ["a", "a", "b", "c"]  # round-robin keeps every category
+    with pytest.raises(BenchError, match="unknown categories"):
+        load_prompts(f, categories=["zzz"])
+    txt = tmp_path / "p.txt"
+    txt.write_text("hello\nworld\n")
+    assert [p.text for p in load_prompts(txt)] == ["hello", "world"]
+
+
+def test_spec_bench_default_set():
+    from specee.bench.common import load_prompts
+
+    real_model_dir("stories260K")  # skips without ../shared
+    ps = load_prompts(count=1)
+    assert len(ps) == 13 and len({p.category for p in ps}) == 13
+
+
+# ---- quality metrics on known cases --------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["skip", "propagate", "recompute"])
+def test_exit_disabled_gives_full_model(llm, banks, cases, policy):
+    """A bank whose thresholds are all inf: agreement 1.0 and the full model's perplexity."""
+    from specee.bench.common import use_config
+    from specee.bench.quality import agreement, perplexity_early_exit, perplexity_full, perplexity_windows
+
+    ids, conts = cases
+    windows = perplexity_windows(llm, conts[0] + conts[1], 40, 16)
+    full = perplexity_full(llm, windows)
+    use_config(llm, config(banks["never"], policy))
+    try:
+        a = agreement(llm, ids, conts, ["x", "y"])
+        ee = perplexity_early_exit(llm, windows)
+    finally:
+        use_config(llm, None)
+    assert a["agreement"] == 1.0 and a["positions"] == sum(map(len, conts))
+    assert a["exit_rate"] == 0.0 and a["mean_exit_layer"] == llm.model.cfg.num_layers
+    assert set(a["per_category"]) == {"x", "y"}
+    assert ee["tokens"] == full["tokens"] == 40
+    assert ee["perplexity"] == pytest.approx(full["perplexity"], rel=1e-4)
+    assert ee["next_token_accuracy"] == full["next_token_accuracy"]
+
+
+@pytest.mark.parametrize("policy", ["skip", "propagate", "recompute"])
+def test_always_layer0_equals_layer0_logit_lens(llm, banks, cases, policy):
+    """Every token exits at layer 0: agreement and perplexity are exactly the layer-0 head's."""
+    from specee.bench.common import use_config
+    from specee.bench.quality import agreement, perplexity_early_exit, perplexity_windows
+
+    ids, conts = cases
+    windows = perplexity_windows(llm, conts[0] + conts[1], 30, 16)
+    use_config(llm, config(banks["layer0_all"], policy))
+    try:
+        a = agreement(llm, ids, conts)
+        ee = perplexity_early_exit(llm, windows)
+    finally:
+        use_config(llm, None)
+    right = n = 0
+    for p, c in zip(ids, conts):
+        lens = layer_lens(llm, p, c, 0)
+        right += int((lens.argmax(-1) == torch.tensor(c)).sum())
+        n += len(c)
+    assert a["mean_exit_layer"] == 1.0 and a["exit_rate"] == 1.0
+    assert a["agreement"] == pytest.approx(right / n)
+    assert a["agreement"] < 1.0  # layer 0 alone is not the full model
+    total = sum(float(layer_lens(llm, ctx, cont, 0).gather(1, torch.tensor(cont)[:, None]).sum())
+                for ctx, cont in windows)
+    assert ee["perplexity"] == pytest.approx(math.exp(-total / ee["tokens"]), rel=1e-4)
+    assert ee["mean_exit_layer"] == 1.0
+
+
+def test_layer0_with_drafter_restriction(llm, banks, cases):
+    """k = 4 n-gram proposals, layer 0 always fires (recompute: exact KV). Each position exits at
+    layer 0 iff layer 0's argmax is proposed, else runs to full depth; checked against hidden_states
+    and the drafter's teacher-forced top-k computed independently."""
+    from specee.bench.common import use_config
+
+    ids, conts = cases
+    L = llm.model.cfg.num_layers
+    use_config(llm, config(banks["layer0_k4"], "recompute"))
+    try:
+        drafter = llm.early_exit.drafter
+        exits = 0
+        for p, c in zip(ids, conts):
+            steps = llm.teacher_forced(p, c)
+            lens0, lensL = layer_lens(llm, p, c, 0), layer_lens(llm, p, c, L - 1)
+            top = drafter.teacher_forced_top_k(p + c, len(p)).cpu()
+            for j, s in enumerate(steps):
+                a0 = int(lens0[j].argmax())
+                if a0 in top[j].tolist():
+                    exits += 1
+                    assert (s.exit_layer, s.predicted) == (0, a0)
+                    assert s.logprob == pytest.approx(float(lens0[j, c[j]]), abs=1e-4)
+                else:
+                    assert (s.exit_layer, s.predicted) == (L - 1, int(lensL[j].argmax()))
+                    assert s.logprob == pytest.approx(float(lensL[j, c[j]]), abs=1e-4)
+        assert exits > 0
+    finally:
+        use_config(llm, None)
+
+
+def _mc_items(llm):
+    from specee.bench.quality import MCItem
+
+    shot = MCItem("t", "s0", "Is the sky blue?", ["no", "yes"], 1)
+    qs = [("What does a dog say?", ["moo", "woof", "meow"], 1), ("Where do fish live?", ["water", "tree", "sky"], 0),
+          ("What color is grass?", ["red", "blue", "green"], 2), ("Who is happy?", ["Lily", "nobody", "the rock"], 0)]
+    return [MCItem("t", str(i), q, o, a, shots=[shot]) for i, (q, o, a) in enumerate(qs)]
+
+
+def test_multiple_choice_known_cases(llm, banks):
+    from specee.bench.common import use_config
+    from specee.bench.quality import encode_mc, score_mc
+
+    items = _mc_items(llm)
+    use_config(llm, config(banks["never"]))
+    try:
+        r = score_mc(llm, items)
+    finally:
+        use_config(llm, None)
+    assert r["items"] == 4 and r["skipped_too_long"] == 0
+    assert r["early_exit"]["accuracy"] == r["full"]["accuracy"]
+    assert r["early_exit"]["answers_changed"] == 0 and r["early_exit"]["mcnemar_p"] == 1.0
+    assert r["early_exit"]["mean_exit_layer"] == llm.model.cfg.num_layers
+    lo, hi = r["full"]["ci95"]
+    assert 0.0 <= lo <= r["full"]["accuracy"] <= hi <= 1.0
+
+    # always layer 0: early exit answers with the layer-0 logit lens at the answer position
+    use_config(llm, config(banks["layer0_all"]))
+    try:
+        r0 = score_mc(llm, items)
+        expect_full, expect_l0 = [], []
+        for it in items:
+            ids, cands, _ = encode_mc(llm, it, r0["answer_format"][len("Answer:"):-1])
+            hs = llm.model.hidden_states(ids)
+            expect_full.append("ABC"[int(llm.model.logits(hs[-1, -1])[cands].argmax())])
+            expect_l0.append("ABC"[int(llm.model.logits(hs[1, -1])[cands].argmax())])
+    finally:
+        use_config(llm, None)
+    assert [x["full"] for x in r0["per_item"]] == expect_full
+    assert [x["early_exit"] for x in r0["per_item"]] == expect_l0
+    assert r0["early_exit"]["mean_exit_layer"] == 1.0
+    assert r0["early_exit"]["max_logprob_deviation"] < 1e-4
+    changed = sum(a != b for a, b in zip(expect_full, expect_l0))
+    assert r0["early_exit"]["answers_changed"] == changed
+    assert r0["early_exit"]["full_right_ee_wrong"] + r0["early_exit"]["full_wrong_ee_right"] <= changed
+
+
+def test_oracle_matches_bruteforce(llm, cases):
+    from specee.bench.oracle import oracle_exit_layers
+
+    ids, conts = cases
+    L = llm.model.cfg.num_layers
+    drafter = llm.make_drafter("ngram", 4)
+    for p, c in zip(ids, conts):
+        r = oracle_exit_layers(llm, drafter, p, c)
+        preds = [layer_lens(llm, p, c, i).argmax(-1).tolist() for i in range(L)]
+        top = drafter.teacher_forced_top_k(p + c, len(p)).tolist()
+        for j, tok in enumerate(c):
+            free = L
+            for e in range(L):
+                if all(preds[i][j] == tok for i in range(e, L)):
+                    free = e + 1
+                    break
+            assert int(r["free"][j]) == free
+            assert bool(r["hit"][j]) == (tok in top[j])
+            assert int(r["drafter"][j]) == (free if tok in top[j] else L)
+
+
+# ---- the CLI end to end ----------------------------------------------------------------------------
+def run_cli(argv: list[str], capsys) -> str:
+    from specee.bench.cli import add_bench_parser
+
+    parser = argparse.ArgumentParser(prog="specee")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    return capsys.readouterr().out
+
+
+def common_args(out: Path) -> list[str]:
+    return ["--model", str(real_model_dir("stories260K")), "--draft", "ngram", "--count", "1", "--threads", "1",
+            "--categories", "writing,qa", "--out", str(out), "--no-progress"]
+
+
+def check_outputs(out: Path, pngs: list[str]) -> dict:
+    report = json.loads((out / "report.json").read_text())
+    env = report["environment"]
+    assert env["target"]["fingerprint"] and env["target"]["layers"] == 5
+    assert env["dtype"] == "float32" and env["device"] == "cpu" and env["torch"] == torch.__version__
+    assert env["torch_threads"] >= 1 and env["date"] and "command" in env
+    assert env["drafter"]["name"].startswith("ngram")
+    md = (out / "report.md").read_text()
+    assert md.startswith("# specee bench") and "| date |" in md
+    for name in pngs:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000, name
+        assert f"({name})" in md
+    return report
+
+
+def test_cli_speed(tmp_path, banks, capsys):
+    out = tmp_path / "speed"
+    stdout = run_cli(["bench", "speed", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "8",
+                      "--repeats", "1", "--warmup", "0", "--policies", "skip,recompute"], capsys)
+    assert "| configuration | tokens/s |" in stdout and "lossless vs full depth" in stdout
+    r = check_outputs(out, ["exit_histogram.png", "throughput.png"])
+    assert r["order"] == ["transformers", "full", "ee-skip", "ee-recompute", "lossless"]
+    assert [p["category"] for p in r["prompts"]] == ["writing", "qa"]
+    for name, c in r["configs"].items():
+        assert c["tokens"] == 16 and c["tokens_per_second"] > 0 and c["decode_tokens_per_second"] > 0
+        assert c["speedup_vs_full"] > 0 and c["speedup_vs_hf"] > 0
+        assert set(c["per_category"]) == {"writing", "qa"}
+        if c["kind"] == "early_exit":
+            assert 1.0 <= c["mean_exit_layer"] <= 5.0 and sum(c["exit_histogram"]) == c["decode_steps"]
+            # lossy: one decode step per token; lossless also redoes the steps a rollback discards
+            assert c["decode_steps"] == 16 if c["mode"] == "lossy" else c["decode_steps"] >= 16
+    assert r["configs"]["full"]["speedup_vs_full"] == pytest.approx(1.0)
+    # lossless is exact: token-identical to full depth on every prompt (and transformers agrees here)
+    assert r["identity"]["lossless"]["all_identical"] is True
+    assert [x["identical"] for x in r["identity"]["lossless"]["per_prompt"]] == [True, True]
+    assert r["identity"]["transformers"]["all_identical"] is True
+    assert r["configs"]["lossless"]["lossless"]["deep_passes"] >= 0
+
+
+def test_cli_quality(tmp_path, banks, capsys):
+    out = tmp_path / "quality"
+    stdout = run_cli(["bench", "quality", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "8",
+                      "--policies", "skip,recompute", "--ppl-tokens", "24", "--ppl-window", "16",
+                      "--mc-items", "3", "--shots", "1", "--mmlu-subjects", "astronomy,virology"], capsys)
+    assert "## Agreement" in stdout and "## Perplexity" in stdout and "## Multiple choice" in stdout
+    r = check_outputs(out, ["quality.png"])
+    for policy in ("skip", "recompute"):
+        a = r["agreement"]["policies"][policy]
+        assert 0.0 <= a["agreement"] <= 1.0 and a["positions"] > 0 and 1.0 <= a["mean_exit_layer"] <= 5.0
+        assert set(a["per_category"]) == {"writing", "qa"}
+        p = r["perplexity"]["early_exit"][policy]
+        assert p["tokens"] == 24 and p["perplexity"] > 1
+    assert r["perplexity"]["full"]["tokens"] == 24 and r["perplexity"]["full"]["perplexity"] > 1
+    assert set(r["multiple_choice"]["tasks"]) == {"csqa", "sst2", "mmlu"}
+    for task in r["multiple_choice"]["tasks"].values():
+        assert task["items"] == 3
+        for who in ("full", "early_exit"):
+            lo, hi = task[who]["ci95"]
+            assert 0.0 <= lo <= task[who]["accuracy"] <= hi <= 1.0
+        assert 0.0 <= task["early_exit"]["mcnemar_p"] <= 1.0
+    assert {x["id"].split("/")[0] for x in r["multiple_choice"]["tasks"]["mmlu"]["per_item"]} == {"astronomy", "virology"}
+
+
+def test_cli_oracle(tmp_path, capsys):
+    out = tmp_path / "oracle"
+    stdout = run_cli(["bench", "oracle", *common_args(out), "--max-new-tokens", "12"], capsys)
+    assert "bound (L / mean)" in stdout
+    r = check_outputs(out, ["oracle_exit_layers.png"])
+    o = r["overall"]
+    assert o["drafter"]["positions"] == o["free"]["positions"] > 0
+    assert 1.0 <= o["free"]["mean_layers"] <= o["drafter"]["mean_layers"] <= 5.0
+    assert o["drafter"]["bound"] == pytest.approx(5 / o["drafter"]["mean_layers"])
+    assert sum(o["drafter"]["histogram"]) == o["drafter"]["positions"]
+    assert 0.0 <= o["topk_hit_rate"] <= 1.0 and set(r["per_category"]) == {"writing", "qa"}
+
+
+def test_cli_sweep(tmp_path, banks, capsys):
+    out = tmp_path / "sweep"
+    stdout = run_cli(["bench", "sweep", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "6",
+                      "--categories", "qa", "--scales", "0.5,1,4", "--offline-sizes", "bank", "--online-windows", "0,4",
+                      "--warmup", "0"], capsys)
+    assert "| threshold scale |" in stdout
+    r = check_outputs(out, ["pareto.png"])
+    pts = r["points"]
+    assert [(p["threshold_scale"], p["online_window"]) for p in pts] == [(0.5, 4), (1.0, 4), (4.0, 4), (1.0, 0)]
+    assert sum(p["default"] for p in pts) == 1 and pts[1]["default"]
+    assert any(p["pareto"] for p in pts)
+    for p in pts:
+        assert 0.0 <= p["agreement"] <= 1.0 and p["speedup_vs_full"] > 0 and 1.0 <= p["mean_exit_layer"] <= 5.0
+    assert r["full_depth"]["baseline"]["tokens_per_second"] > 0
+
+
+def test_cli_errors(tmp_path, capsys):
+    from specee.bench.cli import main
+
+    model = str(real_model_dir("stories260K"))
+    assert main(["speed", "--model", model, "--count", "1"]) == 2  # --draft missing
+    assert "--draft is required" in capsys.readouterr().err
+    assert main(["quality", "--model", model, "--draft", "ngram", "--mc-tasks", "nope"]) == 2
+    assert "unknown" in capsys.readouterr().err
+    assert main(["oracle", "--model", model, "--draft", "ngram", "--categories", "nope"]) == 2
+    assert "unknown categories" in capsys.readouterr().err

@@ -1,0 +1,232 @@
+"""End-to-end tests of the `specee` command line, run in-process through `specee.cli.main`."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import specee
+from specee import LLM, SamplingParams
+from specee import cli
+from specee.tokenizer import Tokenizer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+STORIES = SHARED / "models" / "stories260K"
+TARGET = SHARED / "models" / "ref-target-24L"
+
+needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared models not found at {STORIES} (../shared is absent)")
+needs_target = pytest.mark.skipif(not TARGET.is_dir(), reason=f"shared models not found at {TARGET} (../shared is absent)")
+
+PROMPT = "Once upon a time"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def stories_llm() -> LLM:
+    if not STORIES.is_dir():
+        pytest.skip(f"shared models not found at {STORIES} (../shared is absent)")
+    return LLM(STORIES)
+
+
+# ---- generate ------------------------------------------------------------------------------
+@needs_stories
+def test_generate_matches_llm_generate(capsys, stories_llm):
+    code, out, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--no-chat",
+                         "--max-new-tokens", "24")
+    assert code == 0, err
+    expected = stories_llm.generate(PROMPT, SamplingParams(max_tokens=24))[0]
+    assert expected.text.strip()
+    assert out == expected.text + "\n"
+    assert "24 tokens in" in err and "tokens/s" in err
+    assert "note:" not in err  # --no-chat: no template fallback note
+
+
+@needs_stories
+def test_generate_json(capsys, stories_llm):
+    code, out, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--no-chat",
+                         "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    expected = stories_llm.generate(PROMPT, SamplingParams(max_tokens=12))[0]
+    assert record["text"] == expected.text
+    assert record["token_ids"] == expected.token_ids
+    assert record["prompt_token_ids"] == expected.prompt_token_ids
+    assert record["finish_reason"] == "length"
+    assert record["chat"] is False
+    assert record["stats"]["generated_tokens"] == 12
+    assert record["stats"]["prompt_tokens"] == len(expected.prompt_token_ids)
+
+
+@needs_stories
+def test_generate_without_template_falls_back_to_raw_text(capsys, stories_llm):
+    code, out, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert code == 0, err
+    assert "no chat template" in err and err.count("note:") == 1
+    assert out == stories_llm.generate(PROMPT, SamplingParams(max_tokens=8))[0].text + "\n"
+
+
+@needs_stories
+def test_generate_prompt_from_stdin(capsys, monkeypatch, stories_llm):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT + "\n"))
+    code, out, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", "-", "--no-chat",
+                         "--max-new-tokens", "8")
+    assert code == 0, err
+    assert out == stories_llm.generate(PROMPT, SamplingParams(max_tokens=8))[0].text + "\n"
+
+
+@needs_stories
+def test_generate_stop_string_and_detailed_stats(capsys, stories_llm):
+    full = stories_llm.generate(PROMPT, SamplingParams(max_tokens=40))[0].text
+    assert "." in full
+    code, out, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--no-chat",
+                         "--max-new-tokens", "40", "--stop", ".", "--stats")
+    assert code == 0, err
+    assert out == full[: full.index(".")] + "\n"
+    assert "decode_tokens_per_second" in err and "prompt_tokens" in err
+
+
+@needs_stories
+def test_generate_seeded_sampling_is_reproducible(capsys):
+    args = ("generate", "--model", str(STORIES), "--prompt", PROMPT, "--no-chat", "--max-new-tokens", "16",
+            "--temperature", "1.0", "--top-k", "20", "--top-p", "0.9", "--seed", "7", "--json")
+    first = json.loads(run(capsys, *args)[1])
+    second = json.loads(run(capsys, *args)[1])
+    assert first["token_ids"] == second["token_ids"]
+
+
+@needs_target
+def test_generate_applies_chat_template(capsys):
+    code, out, err = run(capsys, "generate", "--model", str(TARGET), "--prompt", "What is 2+2?",
+                         "--max-new-tokens", "6", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["chat"] is True
+    tok = Tokenizer(TARGET)
+    assert record["prompt_token_ids"] == tok.encode_chat([{"role": "user", "content": "What is 2+2?"}])
+
+
+# ---- errors --------------------------------------------------------------------------------
+def assert_clean_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specee: error: "), err
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_bad_model_path_is_a_clean_error(capsys, tmp_path):
+    missing = tmp_path / "no-such-model"
+    code, out, err = run(capsys, "generate", "--model", str(missing), "--prompt", "hi")
+    assert_clean_error(code, err, "model directory not found", str(missing))
+    assert out == ""
+
+
+def test_directory_without_config_is_a_clean_error(capsys, tmp_path):
+    code, _, err = run(capsys, "info", "--model", str(tmp_path))
+    assert_clean_error(code, err, "config.json")
+
+
+@needs_stories
+def test_library_value_errors_are_clean(capsys):
+    code, _, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--no-chat",
+                       "--temperature", "-1")
+    assert_clean_error(code, err, "temperature")
+    code, _, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--no-chat",
+                       "--max-new-tokens", "1000")  # stories260K has a 512-token context
+    assert_clean_error(code, err, "context")
+
+
+def test_missing_default_model_asks_for_model(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "default_model_candidates", lambda: [tmp_path / "absent"])
+    code, _, err = run(capsys, "generate", "--prompt", "hi")
+    assert_clean_error(code, err, "--model")
+
+
+def test_usage_errors_exit_2(capsys):
+    code, _, err = run(capsys, "generate")  # --prompt is required
+    assert code == 2 and "--prompt" in err
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--max-new-tokens", "0")
+    assert code == 2 and "positive integer" in err
+    code, _, err = run(capsys, "frobnicate")
+    assert code == 2
+
+
+# ---- info ----------------------------------------------------------------------------------
+@needs_stories
+def test_info(capsys):
+    code, out, err = run(capsys, "info", "--model", str(STORIES))
+    assert code == 0, err
+    fields = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.splitlines())
+    assert fields["architecture"] == "LlamaForCausalLM"
+    assert fields["layers"] == "5"
+    assert fields["hidden size"].startswith("64")
+    assert fields["heads / kv heads"].startswith("8 / 4 (GQA)")
+    assert fields["vocab"] == "512"
+    assert fields["context"].startswith("512")
+    assert fields["dtype"].startswith("float32")
+    assert fields["tied embeddings"] == "no"
+    assert "chat template: no" in fields["tokenizer"]
+    assert fields["parameters"].startswith("0.29 M")
+
+
+@needs_target
+def test_info_json(capsys):
+    code, out, err = run(capsys, "info", "--model", str(TARGET), "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert (info["layers"], info["hidden_size"], info["attention_heads"], info["kv_heads"]) == (24, 256, 4, 2)
+    assert (info["vocab_size"], info["context"], info["checkpoint_dtype"]) == (8192, 2048, "bfloat16")
+    assert info["tied_embeddings"] is True and info["chat_template"] is True
+
+
+# ---- chat ----------------------------------------------------------------------------------
+@needs_target
+def test_chat_keeps_history_and_resets(capsys, monkeypatch):
+    seen: list[list[dict[str, str]]] = []
+    original = Tokenizer.encode_chat
+
+    def spy(self, messages):
+        seen.append([dict(m) for m in messages])
+        return original(self, messages)
+
+    monkeypatch.setattr(Tokenizer, "encode_chat", spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nWhat next?\n/reset\n\nAgain\n/exit\nnever read\n"))
+    code, out, err = run(capsys, "chat", "--model", str(TARGET), "--max-new-tokens", "5", "--system", "Be brief.")
+    assert code == 0, err
+    assert [[m["role"] for m in msgs] for msgs in seen] == [
+        ["system", "user"], ["system", "user", "assistant", "user"], ["system", "user"]]
+    first_reply = seen[1][2]["content"]
+    assert seen[1][3]["content"] == "What next?" and seen[2][1]["content"] == "Again"
+    expected = LLM(TARGET).generate(Tokenizer(TARGET).encode_chat(seen[0]), SamplingParams(max_tokens=5))[0].text
+    assert first_reply == expected
+    assert out.startswith(expected + "\n")
+    assert "conversation cleared" in err
+
+
+@needs_stories
+def test_chat_needs_a_template(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    code, _, err = run(capsys, "chat", "--model", str(STORIES))
+    assert_clean_error(code, err, "no chat template")
+
+
+# ---- python -m specee ----------------------------------------------------------------------
+@needs_stories
+def test_python_dash_m():
+    env = {**os.environ, "PYTHONPATH": str(Path(specee.__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-m", "specee", "info", "--model", str(STORIES)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "LlamaForCausalLM" in done.stdout

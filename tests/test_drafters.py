@@ -1,0 +1,179 @@
+"""Drafters: the draft model's proposals equal a plain full forward; the n-gram drafter's rules."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from specee.drafters import DraftModelDrafter, DrafterMismatchError, NGramDrafter, check_same_tokenizer
+from specee.engine.full_depth import prefill
+from specee.tokenizer import Tokenizer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+MODELS = SHARED / "models"
+TARGET, DRAFT, STORIES = MODELS / "ref-target-24L", MODELS / "ref-draft-4L", MODELS / "stories260K"
+needs_models = pytest.mark.skipif(not (DRAFT.exists() and TARGET.exists() and STORIES.exists()),
+                                  reason=f"shared models not found under {MODELS} (../shared is absent)")
+
+# tiny models: one torch thread (see conftest.single_thread; two stall each other on a busy 2-core box)
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def target_tok():
+    return Tokenizer(TARGET)
+
+
+@pytest.fixture(scope="module")
+def drafter(target_tok):
+    # max_len 8: the cache must grow on demand
+    return DraftModelDrafter(DRAFT, target_tok, k=4, device="cpu", dtype=torch.float32, max_len=8)
+
+
+@torch.inference_mode()
+def reference_logits(model, history: list[int]) -> torch.Tensor:
+    """A plain full forward of the draft model over the whole history, fresh cache."""
+    cache = model.new_cache(1, len(history))
+    return model.logits(prefill(model, cache, [history]))[0]
+
+
+def assert_same_top_k(got: torch.Tensor, ref_logits: torch.Tensor, k: int) -> None:
+    ref = ref_logits.topk(k).indices
+    assert got.dtype == torch.long and got.shape == (k,) and len(set(got.tolist())) == k
+    if not torch.equal(got, ref):  # only a float near-tie may reorder: the logits must match
+        torch.testing.assert_close(ref_logits[got], ref_logits[ref], atol=1e-4, rtol=0)
+
+
+@needs_models
+def test_draft_model_matches_full_forward_each_step_and_after_truncate(drafter, target_tok):
+    prompt = target_tok.encode("The cat sat on the mat and looked at")
+    d = drafter
+    d.reset(prompt)
+    history = list(prompt)
+    for _ in range(6):  # greedy: follow the drafter's own first choice
+        top = d.propose()
+        assert_same_top_k(top, reference_logits(d.model, history), d.k)
+        tok = int(top[0])
+        d.advance(tok)
+        history.append(tok)
+    # several tokens consumed before one propose (one multi-token forward at an offset)
+    for tok in (11, 42, 7):
+        d.advance(tok)
+        history.append(tok)
+    assert_same_top_k(d.propose(), reference_logits(d.model, history), d.k)
+    assert d.history == history
+    # rollback inside the generated part, then continue differently
+    d.truncate(len(history) - 4)
+    history = history[:-4]
+    assert_same_top_k(d.propose(), reference_logits(d.model, history), d.k)
+    d.advance(99)
+    history.append(99)
+    assert_same_top_k(d.propose(), reference_logits(d.model, history), d.k)
+    # rollback into the prompt, and a truncate right after an advance (no forward wasted)
+    d.truncate(3)
+    history = history[:3]
+    d.advance(5)
+    d.truncate(3)
+    assert_same_top_k(d.propose(), reference_logits(d.model, history), d.k)
+    assert d._cache.max_len >= len(prompt) + 6  # grew from max_len=8
+
+
+@needs_models
+def test_teacher_forced_top_k_equals_step_by_step(drafter, target_tok):
+    ids = target_tok.encode("Once upon a time there was a little robot who wanted to learn how to paint.")
+    start = 5
+    tf = drafter.teacher_forced_top_k(ids, start)
+    assert tf.shape == (len(ids) - start, drafter.k)
+    drafter.reset(ids[:start])
+    for j, p in enumerate(range(start, len(ids))):
+        step = drafter.propose()
+        if not torch.equal(step, tf[j]):
+            ref = reference_logits(drafter.model, ids[:p])
+            torch.testing.assert_close(ref[step], ref[tf[j]], atol=1e-4, rtol=0)
+        drafter.advance(ids[p])
+    assert drafter.teacher_forced_top_k(ids, len(ids)).shape == (0, drafter.k)
+
+
+@needs_models
+def test_draft_model_slides_past_its_context(drafter, target_tok):
+    ids = target_tok.encode("one two three four five six seven eight nine ten " * 4)[:40]
+    d = drafter
+    d.context = 24  # pretend the draft's context is short
+    try:
+        d.reset(ids[:10], max_new_tokens=4)
+        for t in ids[10:]:
+            d.advance(t)
+            top = d.propose()
+        assert d._offset > 0  # the window moved: the proposal is the draft's view of the last tokens
+        assert_same_top_k(top, reference_logits(d.model, ids[d._offset:]), d.k)
+        d.truncate(5)  # before the window: rebuilt from the history
+        assert_same_top_k(d.propose(), reference_logits(d.model, ids[:5]), d.k)
+    finally:
+        d.context = d.model.cfg.max_position_embeddings
+
+
+@needs_models
+def test_tokenizer_mismatch_refused(target_tok):
+    with pytest.raises(DrafterMismatchError) as e:
+        DraftModelDrafter(STORIES, target_tok, k=4)
+    msg = str(e.value)
+    assert "8192" in msg and "512" in msg and "stories260K" in msg
+    check_same_tokenizer(target_tok, Tokenizer(DRAFT), TARGET, DRAFT)  # the reference pair is fine
+
+
+@needs_models
+def test_draft_model_fingerprint_and_identity(drafter):
+    from specee.model.weights import fingerprint_weights
+
+    assert drafter.fingerprint == fingerprint_weights(DRAFT)
+    assert drafter.k == 4 and "ref-draft-4L" in drafter.name
+
+
+# ---- n-gram drafter ---------------------------------------------------------------------------
+def test_ngram_longest_suffix_then_frequency_fill():
+    d = NGramDrafter(k=3, vocab_size=100, max_ngram=3)
+    assert d.fingerprint == "ngram-n3"
+    d.reset([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 9, 1, 2])
+    d.advance(3)
+    # [1,2,3] was followed by 4 (twice) and 5 (once); then the most frequent tokens: 1, 2, 3
+    # (4 times each, 3 the most recent)
+    assert d.propose().tolist() == [4, 5, 3]
+
+
+def test_ngram_recency_breaks_ties_and_shorter_suffixes_fill():
+    d = NGramDrafter(k=3, vocab_size=100, max_ngram=2)
+    d.reset([7, 8, 6, 7, 9, 5, 7])
+    # [5,7] never seen before; [7] was followed by 8 and 9 once each: 9 is more recent
+    # then the most frequent token (7, three times)
+    assert d.propose().tolist() == [9, 8, 7]
+    d.advance(9)
+    # [7,9] -> 5; [9] -> 5; then frequency: 7 (3x), then 9 (2x)
+    assert d.propose().tolist() == [5, 7, 9]
+
+
+def test_ngram_fills_with_distinct_ids_when_history_is_short():
+    d = NGramDrafter(k=4, vocab_size=10)
+    d.reset([5])
+    assert d.propose().tolist() == [5, 0, 1, 2]
+    d.reset([0, 0, 0])
+    top = d.propose().tolist()
+    assert top[0] == 0 and len(set(top)) == 4
+
+
+def test_ngram_truncate_and_teacher_forcing():
+    hist = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    d = NGramDrafter(k=4, vocab_size=16, max_ngram=3)
+    d.reset(hist[:12])
+    for t in hist[12:]:
+        d.advance(t)
+    d.truncate(14)
+    fresh = NGramDrafter(k=4, vocab_size=16, max_ngram=3)
+    fresh.reset(hist[:14])
+    assert d.propose().tolist() == fresh.propose().tolist()
+    assert d.history == hist[:14]
+    tf = d.teacher_forced_top_k(hist, 6)
+    assert tf.shape == (len(hist) - 6, 4)
+    fresh.reset(hist[:6])
+    for j, p in enumerate(range(6, len(hist))):
+        assert fresh.propose().tolist() == tf[j].tolist()
+        fresh.advance(hist[p])
+    assert d.history == hist[:14]  # teacher forcing did not touch the request state

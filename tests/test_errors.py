@@ -1,0 +1,251 @@
+"""Bad inputs fail early with a specific, actionable message."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from checkpoints import clone_checkpoint, edit_json
+
+from specee import LLM, SamplingParams
+from specee.model.config import UnsupportedModelError
+from specee.model.kv_cache import ContextLengthError
+from specee.model.weights import CheckpointError
+from specee.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("llama2")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llm):
+    return tiny_llm("llama2")
+
+
+def clone(ckpt, tmp_path):
+    return clone_checkpoint(ckpt, tmp_path / "model")
+
+
+# ---- checkpoint directory ---------------------------------------------------------------------
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model directory not found: .*does-not-exist"):
+        LLM(tmp_path / "does-not-exist")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        LLM(tmp_path)
+
+
+def test_directory_without_weights(ckpt, tmp_path):
+    shutil.copy(ckpt / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index.json found"):
+        LLM(tmp_path)
+
+
+def test_pickle_only_weights(ckpt, tmp_path):
+    from checkpoints import load_hf
+
+    shutil.copy(ckpt / "config.json", tmp_path / "config.json")
+    torch.save(load_hf(ckpt).state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"only pickle weights \(\*\.bin/\*\.pt\) found; specee loads safetensors"):
+        LLM(tmp_path)
+
+
+def test_missing_shard(tiny_checkpoint, tmp_path):
+    path = clone(tiny_checkpoint("sharded"), tmp_path)
+    shard = sorted(path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"shards listed in model.safetensors.index.json are missing: {shard.name}"):
+        LLM(path)
+
+
+def test_weights_that_do_not_fit_the_config(ckpt, tmp_path):
+    path = clone(ckpt, tmp_path)
+    edit_json(path / "config.json", intermediate_size=128)
+    with pytest.raises(CheckpointError, match=r"weight 'model.layers.0.mlp.gate_proj.weight' has shape \(96, 64\), "
+                                              r"config implies \(128, 64\)"):
+        LLM(path)
+
+
+def test_invalid_config_json(ckpt, tmp_path):
+    path = clone(ckpt, tmp_path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        LLM(path)
+
+
+def test_missing_tokenizer(ckpt, tmp_path):
+    path = clone(ckpt, tmp_path)
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        LLM(path)
+
+
+def _vocab(path) -> int:
+    return json.loads((path / "config.json").read_text())["vocab_size"]
+
+
+def test_vocab_size_not_matching_the_weights(ckpt, tmp_path):
+    path = clone(ckpt, tmp_path)
+    rows = _vocab(ckpt)
+    edit_json(path / "config.json", vocab_size=100)
+    with pytest.raises(CheckpointError, match=rf"weight 'model.embed_tokens.weight' has shape \({rows}, 64\), "
+                                              r"config implies \(100, 64\)"):
+        LLM(path)
+
+
+def test_tokenizer_larger_than_the_embedding(ckpt, tiny_checkpoint, tmp_path):
+    path = clone(ckpt, tmp_path)
+    bigger = tiny_checkpoint("qwen2")  # its tokenizer has more tokens than llama2's model has rows
+    n_tokens = Tokenizer(bigger).vocab_size
+    assert n_tokens > _vocab(ckpt), "test premise"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).unlink()
+        shutil.copy(bigger / name, path / name)
+    with pytest.raises(ValueError, match=f"tokenizer has {n_tokens} tokens but the model only {_vocab(ckpt)} "
+                                         "embedding rows"):
+        LLM(path)
+
+
+# ---- unsupported models -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "phi"])
+def test_unsupported_architecture(arch, tmp_path):
+    import transformers as tf
+
+    if arch == "gpt2":
+        cfg = tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+        model, name = tf.GPT2LMHeadModel(cfg), "GPT2LMHeadModel"
+    else:
+        cfg = tf.PhiConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           vocab_size=64, max_position_embeddings=64)
+        model, name = tf.PhiForCausalLM(cfg), "PhiForCausalLM"
+    model.save_pretrained(str(tmp_path))
+    with pytest.raises(UnsupportedModelError, match=f"unsupported architecture '{name}'.*specee supports "
+                                                    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        LLM(tmp_path)
+
+
+@pytest.mark.parametrize("style", ["v4", "v5"])
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+def test_unsupported_rope_type(ckpt, tmp_path, style, rope_type):
+    path = clone(ckpt, tmp_path)
+    scaling = {"rope_type": rope_type, "factor": 4.0, "original_max_position_embeddings": 64}
+    if style == "v4":
+        edit_json(path / "config.json", delete=("rope_parameters",), rope_theta=10000.0, rope_scaling=scaling)
+    else:
+        edit_json(path / "config.json", delete=("rope_scaling", "rope_theta"),
+                  rope_parameters={**scaling, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModelError, match=f"unsupported rope scaling '{rope_type}'; supported: "
+                                                    "default, linear, llama3"):
+        LLM(path)
+
+
+def test_old_style_rope_scaling_type_key(ckpt, tmp_path):
+    """Older configs say {"type": "yarn"} instead of {"rope_type": ...}."""
+    path = clone(ckpt, tmp_path)
+    edit_json(path / "config.json", delete=("rope_parameters",), rope_theta=10000.0,
+              rope_scaling={"type": "yarn", "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="unsupported rope scaling 'yarn'"):
+        LLM(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+])
+def test_unsupported_options(ckpt, tmp_path, change, message):
+    path = clone(ckpt, tmp_path)
+    edit_json(path / "config.json", **change)
+    with pytest.raises(UnsupportedModelError, match=message):
+        LLM(path)
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+def test_prompt_too_long_for_the_context(llm):
+    limit = llm.model.cfg.max_position_embeddings
+    assert limit == 256
+    prompt = [5] * 250
+    with pytest.raises(ContextLengthError, match=r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 exceeds the "
+                                                 r"model's context of 256 tokens"):
+        llm.generate([prompt], SamplingParams(max_tokens=10))
+    with pytest.raises(ContextLengthError, match="exceeds the model's context"):
+        llm.generate([[5] * 300], SamplingParams(max_tokens=1))
+    # in a batch, one request that does not fit is refused before any work
+    with pytest.raises(ContextLengthError, match=r"prompt \(250 tokens\)"):
+        llm.generate([[5, 6], prompt], SamplingParams(max_tokens=10))
+    with pytest.raises(ContextLengthError):
+        list(llm.stream(prompt, SamplingParams(max_tokens=10)))
+
+
+def test_prompt_exactly_filling_the_context_is_accepted(llm):
+    out = llm.generate([[5] * 250], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1, 2.5, True])
+def test_bad_max_tokens(max_tokens):
+    with pytest.raises(ValueError, match="max_tokens .* must be a positive integer"):
+        SamplingParams(max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.1, 1.01, float("nan")])
+def test_top_p_outside_range(top_p):
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        SamplingParams(top_p=top_p)
+
+
+@pytest.mark.parametrize("temperature", [-0.5, -1e-9, float("nan"), float("inf")])
+def test_bad_temperature(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=temperature)
+
+
+@pytest.mark.parametrize("top_k", [-1, 1.5])
+def test_bad_top_k(top_k):
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
+        SamplingParams(top_k=top_k)
+
+
+def test_empty_stop_string():
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        SamplingParams(stop=["ok", ""])
+
+
+def test_empty_prompt(llm, tiny_llm):
+    with pytest.raises(ValueError, match="empty prompt: at least one token is needed"):
+        llm.generate([[]], SamplingParams(max_tokens=4))
+    # a tokenizer that adds no BOS turns "" into no tokens at all
+    qwen = tiny_llm("qwen2")
+    assert qwen.tokenizer.encode("") == []
+    with pytest.raises(ValueError, match="empty prompt: at least one token is needed"):
+        qwen.generate("", SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="no prompts given"):
+        llm.generate([], SamplingParams(max_tokens=4))
+
+
+def test_token_ids_out_of_range(llm):
+    vocab = llm.model.cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt token ids out of range \[0, {vocab}\): \[{vocab}, -1\]"):
+        llm.generate([[1, vocab, -1]], SamplingParams(max_tokens=2))
+
+
+def test_params_list_length_mismatch(llm):
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
+
+
+def test_unknown_dtype(ckpt):
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        LLM(ckpt, dtype="float8")
