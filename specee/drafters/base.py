@@ -69,7 +69,9 @@ def _vocab(tokenizer) -> dict[str, int]:
 
 def _special_tokens(tokenizer) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
-    for name in ("bos_token", "eos_token", "pad_token"):
+    # pad is left out: checkpoints of one family often differ only in it (Llama 2 has none, TinyLlama
+    # uses </s>), and padding never reaches the drafter's proposals
+    for name in ("bos_token", "eos_token"):
         out[name] = getattr(tokenizer, name, None)
     tok = getattr(tokenizer, "tok", tokenizer)
     if hasattr(tok, "get_added_tokens_decoder"):
@@ -96,11 +98,12 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_dir: str | Pa
         moved = sorted((s for s in set(tv) & set(dv) if tv[s] != dv[s]), key=lambda s: tv[s])
         msg = f"vocabularies differ ({len(tv)} tokens in the target's, {len(dv)} in the draft's)"
         if only_t:
-            msg += f"; {len(only_t)} only in the target, e.g. {[ (s, tv[s]) for s in only_t[:3]]}"
+            msg += f"; {len(only_t)} only in the target, e.g. {[(s, tv[s]) for s in only_t[:3]]}"
         if only_d:
-            msg += f"; {len(only_d)} only in the draft, e.g. {[ (s, dv[s]) for s in only_d[:3]]}"
+            msg += f"; {len(only_d)} only in the draft, e.g. {[(s, dv[s]) for s in only_d[:3]]}"
         if moved:
-            msg += f"; {len(moved)} with different ids, e.g. {[(s, tv[s], dv[s]) for s in moved[:3]]} (token, target id, draft id)"
+            examples = [(s, tv[s], dv[s]) for s in moved[:3]]
+            msg += f"; {len(moved)} with different ids, e.g. {examples} (token, target id, draft id)"
         problems.append(msg)
     ts, ds = _special_tokens(target_tokenizer), _special_tokens(draft_tokenizer)
     diff = {k: (ts.get(k), ds.get(k)) for k in sorted(set(ts) | set(ds)) if ts.get(k) != ds.get(k)}

@@ -50,6 +50,10 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
+class _Cancelled(Exception):
+    """Raised inside the decode thread when the consumer of `LLM.stream` has gone."""
+
+
 class LLM:
     """A loaded target model; with `early_exit`, decoding uses SpecEE early exiting.
 
@@ -154,19 +158,33 @@ class LLM:
 
         (seq,) = self._sequences(prompt, sampling_params, chat)
         deltas: queue.Queue[str | None | BaseException] = queue.Queue()
+        cancelled = threading.Event()
+
+        def on_text(_i: int, text: str) -> None:
+            if cancelled.is_set():  # the consumer left: stop decoding at the next token
+                raise _Cancelled
+            if text:
+                deltas.put(text)
 
         def work() -> None:
             try:
-                self._run([seq], lambda _i, text: text and deltas.put(text))
+                self._run([seq], on_text)
                 deltas.put(None)
+            except _Cancelled:
+                pass
             except BaseException as e:  # re-raised in the caller's thread
                 deltas.put(e)
 
-        threading.Thread(target=work, daemon=True).start()
-        while (item := deltas.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        try:
+            while (item := deltas.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:  # normal end, an error, or the generator closed early (break, Ctrl-C)
+            cancelled.set()
+            worker.join()
         self.last_output = seq.output()
 
     def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> "list[TeacherForcedStep]":

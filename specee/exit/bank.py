@@ -165,7 +165,8 @@ class PredictorBank:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
             tensors = {n: getattr(self, n).detach().to("cpu", torch.float32).contiguous() for n in _TENSORS}
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+            save_file(tensors, str(tmp / WEIGHTS_FILE),
+                      metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
             (tmp / MANIFEST_FILE).write_text(json.dumps(self.manifest(), indent=2, allow_nan=False) + "\n")
             for f in (WEIGHTS_FILE, MANIFEST_FILE):  # mkdtemp makes the dir private; a bank is not secret
                 (tmp / f).chmod(0o644)

@@ -450,7 +450,8 @@ def _rank_layers(fire: torch.Tensor, correct: torch.Tensor, candidates: list[int
     useful = 0
     limit = len(candidates) if limit is None else min(limit, len(candidates))
     while len(chosen) < limit:
-        gains = [(_simulate(fire, correct, chosen + [l])["saved_correct"], -l, l) for l in candidates if l not in chosen]
+        gains = [(_simulate(fire, correct, chosen + [l])["saved_correct"], -l, l)
+                 for l in candidates if l not in chosen]
         score, _, layer = max(gains)
         if score <= best:
             break
@@ -489,8 +490,9 @@ def calibrate(model, tokenizer, drafter, prompts: list[str] | list[list[int]], *
     mix). k: must equal drafter.k (default: drafter.k).
     target_dir / target_fingerprint: tie the bank to the target checkpoint (an LLM gives
     its own model_dir; with neither, the fingerprint is "unknown" and loading the bank with
-    expect_target refuses it until `bank.target_fingerprint` is set). label: "correct" (layer argmax == final argmax) or "exit" (correct
-    and among the spec tokens: the event a threshold actually takes).
+    expect_target refuses it until `bank.target_fingerprint` is set). label: "correct" (layer
+    argmax == final argmax) or "exit" (correct and among the spec tokens: the event a
+    threshold actually takes).
 
     Held-out data. folds=1: one split by prompt (heldout_fraction held out); the bank is the
     model trained on the rest and thresholds are chosen on the held-out positions.
