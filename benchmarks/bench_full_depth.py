@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from specee.bench.common import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -89,16 +90,6 @@ def run_transformers(model, gen_config, ids: list[int], max_new: int) -> dict:
     decode_s = timer.times[-1] - timer.times[1]
     return {"tokens": tokens, "prefill_s": timer.times[1] - timer.times[0], "decode_s": decode_s,
             "decode_tps": (max_new - 1) / decode_s, "wall_s": wall}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from specee import LLM, SamplingParams
 from specee.engine.early_exit import EarlyExitConfig
 from specee.engine.full_depth import prefill
 from specee.exit.scheduler import TwoLevelScheduler
+from specee.model.rope import inverse_frequencies
 
 POLICIES = ("skip", "propagate", "recompute")
 DEEP = Variant("deep6", "llama", dict(num_hidden_layers=6, num_key_value_heads=2))
@@ -144,7 +145,8 @@ def test_skip_leaves_holes_and_propagate_fills_them(deep_llm):
             q_dim = model.cfg.num_heads * model.cfg.head_dim
             kv_dim = model.cfg.num_kv_heads * model.cfg.head_dim
             k = (w.qkv[q_dim:q_dim + kv_dim] @ x).view(model.cfg.num_kv_heads, model.cfg.head_dim)
-            cos, sin = model.cos_table[P + 1], model.sin_table[P + 1]
+            angle = (P + 1) * inverse_frequencies(model.cfg)
+            cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
             k_rot = k * cos + torch.cat([-k[:, k.shape[1] // 2:], k[:, : k.shape[1] // 2]], dim=-1) * sin
             torch.testing.assert_close(r.cache.k[j, 0, :, P + 1], k_rot, atol=1e-5, rtol=1e-5)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
 from conftest import SHARED, real_model_dir
-from ee_helpers import AllTokensDrafter, constant_bank, decoder, random_forcing, run
+from ee_helpers import AllTokensDrafter, decoder, random_forcing, run
 
 from specee import LLM, SamplingParams
 from specee.sampling import probabilities

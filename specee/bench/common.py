@@ -106,6 +106,18 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     return out
 
 
+
+def round_robin(groups: list[list], n: int) -> list:
+    """Up to n items taking one from each group in turn (first items of every group first)."""
+    out: list = []
+    depth = 0
+    while len(out) < n and any(depth < len(g) for g in groups):
+        for g in groups:
+            if depth < len(g) and len(out) < n:
+                out.append(g[depth])
+        depth += 1
+    return out
+
 def select_prompts(prompts: Sequence[Prompt], categories: Sequence[str] | None = None,
                    count: int | None = None, total: int | None = None) -> list[Prompt]:
     """Filter by category, keep the first `count` of each category (file order), then at most
@@ -121,13 +133,7 @@ def select_prompts(prompts: Sequence[Prompt], categories: Sequence[str] | None =
         by_cat = {c: ps[:count] for c, ps in by_cat.items()}
     if total is None:
         return [p for c in present for p in by_cat[c]]
-    chosen: list[Prompt] = []
-    depth = 0
-    while len(chosen) < total and any(depth < len(ps) for ps in by_cat.values()):
-        for c in present:
-            if depth < len(by_cat[c]) and len(chosen) < total:
-                chosen.append(by_cat[c][depth])
-        depth += 1
+    chosen = round_robin([by_cat[c] for c in present], total)
     order = {p: i for i, p in enumerate(prompts)}
     return sorted(chosen, key=lambda p: (present.index(p.category), order[p]))
 
@@ -227,7 +233,7 @@ def git_commit(root: Path = REPO_ROOT) -> dict[str, Any] | None:
         return None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -252,7 +258,7 @@ def environment(llm=None, *, draft: str | None = None, drafter=None, bank: str |
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "command": list(argv) if argv is not None else [Path(sys.argv[0]).name, *sys.argv[1:]],

@@ -34,7 +34,7 @@ def oracle_exit_layers(llm, drafter, prompt_ids: list[int], continuation: list[i
     and whether the teacher-forced last layer agrees with the given token."""
     model = llm.model
     L = model.cfg.num_layers
-    P, T = len(prompt_ids), len(continuation)
+    P = len(prompt_ids)
     ids = list(prompt_ids) + list(continuation)
     hs = model.hidden_states(ids[:-1])  # [L+1, P+T-1, H]
     final = torch.tensor(continuation, device=hs.device)
@@ -115,7 +115,7 @@ def oracle_markdown(report: dict[str, Any]) -> str:
     lines = ["# specee bench oracle", "",
              f"{d['positions']} positions of full-depth greedy continuations, {L} layers, drafter "
              f"{(env.get('drafter') or {}).get('name')} (k={report['settings']['k']}).", "",
-             md_table(["oracle", "mean layers run", f"bound (L / mean)", "exit after layer 1", "needs all layers"],
+             md_table(["oracle", "mean layers run", "bound (L / mean)", "exit after layer 1", "needs all layers"],
                       [["with drafter top-k (SpecEE)", d["mean_layers"], d["bound"], d.get("share_after_layer_1"),
                         d.get("share_full_depth")],
                        ["without drafter restriction", f["mean_layers"], f["bound"], f.get("share_after_layer_1"),

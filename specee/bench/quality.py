@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .common import (BenchError, Prompt, context_limit, environment, environment_md, fit_prompt, make_config,
+from .common import (BenchError, round_robin, Prompt, context_limit, environment, environment_md, fit_prompt, make_config,
                      mcnemar, md_table, progress, resolve_chat, shared_file, use_config, wilson)
 
 LETTERS = "ABCDEFGHIJ"
@@ -317,14 +317,7 @@ def load_mmlu(root: Path, n: int, shots: int, subjects: Sequence[str] | None = N
         for it in test:
             it.shots = dev
         per_subject[s] = test
-    out: list[MCItem] = []
-    depth = 0
-    while len(out) < n and any(depth < len(v) for v in per_subject.values()):
-        for s in available:
-            if depth < len(per_subject[s]) and len(out) < n:
-                out.append(per_subject[s][depth])
-        depth += 1
-    return out
+    return round_robin([per_subject[s] for s in available], n)
 
 
 def load_mc_task(task: str, n: int, shots: int, shared=None, mmlu_subjects=None) -> list[MCItem]:

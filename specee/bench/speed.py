@@ -316,7 +316,7 @@ def speed_markdown(report: dict[str, Any]) -> str:
     cfgs, order = report["configs"], report["order"]
     s = report["settings"]
     L = report["environment"].get("target", {}).get("layers")
-    lines = [f"# specee bench speed",
+    lines = ["# specee bench speed",
              "",
              f"{len(report['prompts'])} prompts, {s['max_new_tokens']} new tokens each (EOS ignored), batch 1, greedy, "
              f"median of {s['repeats']} runs after {s['warmup']} warm-up run(s).",

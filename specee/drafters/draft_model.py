@@ -88,8 +88,8 @@ class DraftModelDrafter(Drafter):
         model, cache = self.model, self._cache
         slots = self._slots[n : n + S]
         D = model.cfg.head_dim
-        cos = model.cos_table[n : n + S].view(1, 1, S, D)
-        sin = model.sin_table[n : n + S].view(1, 1, S, D)
+        cos = model.cos_table[n : n + S].view(1, S, 1, D)
+        sin = model.sin_table[n : n + S].view(1, S, 1, D)
         mask = None
         if S > 1:
             mask = (self._slots[: n + S][None, :] <= slots[:, None]).view(1, 1, S, n + S)

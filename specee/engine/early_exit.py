@@ -30,7 +30,6 @@ from ..drafters.base import Drafter
 from ..exit.bank import PredictorBank
 from ..exit.features import exit_features, spec_rows
 from ..exit.scheduler import TwoLevelScheduler
-from ..model.kv_cache import KVCache
 from ..model.llama import Transformer
 from ..sampling import probabilities, sample
 from .full_depth import check_fits, prefill
@@ -111,6 +110,7 @@ class ExitStats:
             "num_layers": self.num_layers,
             "exit_histogram": list(self.exit_histogram),
             "predictor_calls": self.predictor_calls,
+            "predictor_layers_per_token": round(self.predictor_calls / steps, 3) if steps else 0.0,
             "exits_accepted": self.exits_accepted,
             "exits_rejected": self.exits_rejected,
             "forced_full_depth": self.forced_full,
@@ -258,8 +258,9 @@ class DecodeRun:
         seq.stats.decode_seconds = time.perf_counter() - t1
         seq.stats.decode_tokens = len(seq.output_ids)  # the first token came from a decode step too
         seq.stats.early_exit = self.stats.as_dict(seq.stats.decode_seconds)
-        seq.stats.early_exit.update(kv_policy=self.policy, mode=self.dec.config.mode,
-                                    offline_layers=self.dec.offline_layers)
+        c = self.dec.config
+        seq.stats.early_exit.update(kv_policy=self.policy, mode=c.mode, offline_layers=self.dec.offline_layers,
+                                    online_window=c.online_window, online_radius=c.online_radius)
 
     def step(self) -> None:
         """Feed the last emitted token (at slot n) through the model; emit the next one."""

@@ -1,8 +1,6 @@
 """The user-facing API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
-# TEMP(lead): early-exit imports are local until specee.drafters / specee.exit land.
-
 import json
 import os
 import sys
@@ -11,10 +9,16 @@ from pathlib import Path
 
 import torch
 
+from ..drafters.base import Drafter
+from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.ngram import NGramDrafter
+from ..exit.bank import PredictorBank
+from ..exit.calibrate import calibrate, load_calibration_prompts
 from ..model.llama import Transformer
 from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
+from .early_exit import EarlyExitConfig, EarlyExitDecoder, TeacherForcedStep
 from .full_depth import generate_full_depth
 from .sequence import RequestOutput, Sequence
 
@@ -63,7 +67,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
-                 early_exit: "EarlyExitConfig | None" = None, progress: bool = True):
+                 early_exit: EarlyExitConfig | None = None, progress: bool = True):
         self.model_dir = Path(model)
         dev = torch.device(device)
         self.model = Transformer.load(self.model_dir, dev, resolve_dtype(dtype, dev))
@@ -74,14 +78,12 @@ class LLM:
         self.eos_ids = load_eos_ids(self.model_dir, self.model, self.tokenizer)
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
-        self.early_exit = None
+        self.early_exit: EarlyExitDecoder | None = None
         if early_exit is not None:
             self.enable_early_exit(early_exit)
 
     # ---- early exit ---------------------------------------------------------------------
-    def make_drafter(self, draft: str | None, k: int) -> "Drafter":
-        from ..drafters.draft_model import DraftModelDrafter
-        from ..drafters.ngram import NGramDrafter
+    def make_drafter(self, draft: str | None, k: int) -> Drafter:
         if draft is None:
             raise ValueError("early exit needs a drafter: a draft model directory, or 'ngram'")
         if draft == "ngram":
@@ -89,9 +91,7 @@ class LLM:
         return DraftModelDrafter(draft, self.tokenizer, k, self.model.device, self.model.dtype,
                                  max_len=self.model.cfg.max_position_embeddings)
 
-    def enable_early_exit(self, config: "EarlyExitConfig") -> None:
-        from ..exit.bank import PredictorBank
-        from .early_exit import EarlyExitDecoder
+    def enable_early_exit(self, config: EarlyExitConfig) -> None:
         drafter = self.make_drafter(config.draft, config.k)
         if config.bank is not None:
             bank = PredictorBank.load(config.bank, expect_target=self.fingerprint,
@@ -100,9 +100,7 @@ class LLM:
             bank = self.cached_bank(drafter, config.k)
         self.early_exit = EarlyExitDecoder(self.model, drafter, bank.to(self.model.device, self.model.dtype), config)
 
-    def cached_bank(self, drafter: "Drafter", k: int) -> "PredictorBank":
-        from ..exit.bank import PredictorBank
-        from ..exit.calibrate import calibrate, load_calibration_prompts
+    def cached_bank(self, drafter: Drafter, k: int) -> PredictorBank:
         """The bank for this target + drafter from the user's cache, calibrating it on first use."""
         path = default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}"
         if (path / "manifest.json").exists():
@@ -111,7 +109,7 @@ class LLM:
         if self.progress:
             print(f"specee: no predictor bank for this model + drafter yet; calibrating once "
                   f"(cached at {path})", file=sys.stderr)
-        bank = calibrate(self.model, self.tokenizer, drafter, load_calibration_prompts(), k=k,
+        bank = calibrate(self, self.tokenizer, drafter, load_calibration_prompts(), k=k,
                          target_fingerprint=self.fingerprint, progress=self.progress)
         bank.save(path)
         return bank
@@ -187,7 +185,7 @@ class LLM:
             worker.join()
         self.last_output = seq.output()
 
-    def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> "list[TeacherForcedStep]":
+    def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> list[TeacherForcedStep]:
         """What early exit would emit at each position of a fixed continuation (see EarlyExitDecoder)."""
         if self.early_exit is None:
             raise ValueError("teacher_forced needs early exit enabled (LLM(..., early_exit=EarlyExitConfig(...)))")

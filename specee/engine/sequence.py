@@ -1,7 +1,6 @@
 """One request in flight: its tokens, its text as streamed, when it stops, and its stats."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 

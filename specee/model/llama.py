@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .rope import apply_rope, rope_tables
+from .rope import apply_rope, rope_tables, signed_sin
 from .weights import CheckpointError, check_config_fits, read_state_dict, take
 
 
@@ -34,7 +34,7 @@ class LayerWeights:
 class StepInputs:
     """What every layer of one forward step shares, computed once per step (not per layer).
 
-    slots: cache slots the rows write, [S]; cos/sin: RoPE rows, [B, 1, S, D];
+    slots: cache slots the rows write, [S]; cos/sin: RoPE rows, [B, S, 1, D] (sin signed, see rope.py);
     mask: which cache slots each row may read, [B, 1, S, kv_len] (None = all of them);
     kv_len: how many cache slots attention reads.
     """
@@ -84,7 +84,8 @@ class Transformer:
         else:
             self.lm_head_weight = get("lm_head.weight", (cfg.vocab_size, H))
         check_config_fits(cfg, tensors, source)
-        self.cos_table, self.sin_table = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
+        cos, sin = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
+        self.cos_table, self.sin_table = cos, signed_sin(sin)
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Transformer":
@@ -102,8 +103,8 @@ class Transformer:
 
     def step_inputs(self, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> StepInputs:
         """positions: [B, S] RoPE positions of the rows; slots: [S] cache slots they write."""
-        cos = self.cos_table[positions].unsqueeze(1)
-        sin = self.sin_table[positions].unsqueeze(1)
+        cos = self.cos_table[positions].unsqueeze(2)
+        sin = self.sin_table[positions].unsqueeze(2)
         return StepInputs(slots=slots, cos=cos, sin=sin, mask=mask, kv_len=kv_len)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -115,11 +116,11 @@ class Transformer:
         B, S, _ = h.shape
         D = cfg.head_dim
         x = F.rms_norm(h, (cfg.hidden_size,), w.attn_norm, cfg.rms_norm_eps)
-        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split(
-            [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D], dim=-1)
-        q = apply_rope(q.view(B, S, cfg.num_heads, D).transpose(1, 2), step.cos, step.sin)
-        k = apply_rope(k.view(B, S, cfg.num_kv_heads, D).transpose(1, 2), step.cos, step.sin)
-        v = v.view(B, S, cfg.num_kv_heads, D).transpose(1, 2)
+        qkv = F.linear(x, w.qkv, w.qkv_bias).view(B, S, cfg.num_heads + 2 * cfg.num_kv_heads, D)
+        qk = apply_rope(qkv[:, :, : cfg.num_heads + cfg.num_kv_heads], step.cos, step.sin)
+        q = qk[:, :, : cfg.num_heads].transpose(1, 2)
+        k = qk[:, :, cfg.num_heads :].transpose(1, 2)
+        v = qkv[:, :, cfg.num_heads + cfg.num_kv_heads :].transpose(1, 2)
         k_cache, v_cache = cache.k[i], cache.v[i]
         k_cache.index_copy_(2, step.slots, k)
         v_cache.index_copy_(2, step.slots, v)
@@ -135,13 +136,13 @@ class Transformer:
         """Write layer i's K/V for rows h without running the layer (CALM-style propagation)."""
         cfg, w = self.cfg, self.layers[i]
         B, S, _ = h.shape
-        D, q_dim, kv_dim = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        D, q_dim = cfg.head_dim, cfg.num_heads * cfg.head_dim
         x = F.rms_norm(h, (cfg.hidden_size,), w.attn_norm, cfg.rms_norm_eps)
         bias = None if w.qkv_bias is None else w.qkv_bias[q_dim:]
-        k, v = F.linear(x, w.qkv[q_dim:], bias).split([kv_dim, kv_dim], dim=-1)
-        k = apply_rope(k.view(B, S, cfg.num_kv_heads, D).transpose(1, 2), step.cos, step.sin)
-        cache.k[i].index_copy_(2, step.slots, k)
-        cache.v[i].index_copy_(2, step.slots, v.view(B, S, cfg.num_kv_heads, D).transpose(1, 2))
+        kv = F.linear(x, w.qkv[q_dim:], bias).view(B, S, 2 * cfg.num_kv_heads, D)
+        k = apply_rope(kv[:, :, : cfg.num_kv_heads], step.cos, step.sin)
+        cache.k[i].index_copy_(2, step.slots, k.transpose(1, 2))
+        cache.v[i].index_copy_(2, step.slots, kv[:, :, cfg.num_kv_heads :].transpose(1, 2))
 
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(h, (self.cfg.hidden_size,), self.final_norm, self.cfg.rms_norm_eps)
