@@ -78,6 +78,11 @@ def load_hf_model(model_dir, device, dtype):
 
         raise BenchError("the transformers baseline needs `pip install transformers` (or pass --no-hf)") from e
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    # Decode exactly N tokens the way specee's ignore_eos does: EOS may be chosen and decoding
+    # goes on. (min_new_tokens would instead forbid EOS, changing the greedy stream wherever EOS
+    # is the top token; transformers refills an unset eos_token_id from these two configs.)
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
     return model.to(device).eval()
 
 
@@ -100,9 +105,8 @@ def hf_run(model, ids: list[int], max_new_tokens: int, eos_ids: Sequence[int] = 
 
     clock = Clock()
     eos = list(eos_ids)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                           num_beams=1, use_cache=True, eos_token_id=eos or None,
-                           pad_token_id=(eos[0] if eos else 0))
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
+                           eos_token_id=None, pad_token_id=(eos[0] if eos else 0))
     input_ids = torch.tensor([ids], device=device)
     with torch.inference_mode():
         _sync(device)

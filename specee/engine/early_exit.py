@@ -100,7 +100,7 @@ class ExitStats:
     def __post_init__(self) -> None:
         self.exit_histogram = [0] * self.num_layers
 
-    def as_dict(self, decode_seconds: float) -> dict:
+    def as_dict(self, decode_seconds: float, lossless: bool) -> dict:
         steps = sum(self.exit_histogram)
         layers_run = sum((i + 1) * c for i, c in enumerate(self.exit_histogram))
         share = (lambda s: round(s / decode_seconds, 4) if decode_seconds > 0 else 0.0)
@@ -117,11 +117,11 @@ class ExitStats:
             "time_share": {"drafter": share(self.drafter_seconds), "predictors": share(self.predictor_seconds),
                            "verification": share(self.verify_seconds)},
         }
-        if self.deep_passes:
+        if lossless:
             d["lossless"] = {
-                "deep_passes": self.deep_passes,
+                "deep_passes": self.deep_passes,  # full-depth passes that completed carried rows
                 "verified_positions": self.verified_positions,
-                "verified_per_deep_pass": round(self.verified_positions / self.deep_passes, 3),
+                "verified_per_deep_pass": round(self.verified_positions / max(self.deep_passes, 1), 3),
                 "rollbacks": self.rollbacks,
                 "rollbacks_at_bound": self.rollbacks_at_bound,
                 "discarded_tokens": self.discarded_tokens,
@@ -257,7 +257,7 @@ class DecodeRun:
         seq.stats.prefill_seconds = t1 - t0
         seq.stats.decode_seconds = time.perf_counter() - t1
         seq.stats.decode_tokens = len(seq.output_ids)  # the first token came from a decode step too
-        seq.stats.early_exit = self.stats.as_dict(seq.stats.decode_seconds)
+        seq.stats.early_exit = self.stats.as_dict(seq.stats.decode_seconds, self.lossless)
         c = self.dec.config
         seq.stats.early_exit.update(kv_policy=self.policy, mode=c.mode, offline_layers=self.dec.offline_layers,
                                     online_window=c.online_window, online_radius=c.online_radius)
@@ -344,7 +344,7 @@ class DecodeRun:
         cache.filled[:, 0, active[:-1]] = True
         if self.lossless:
             final_logits = model.logits(h[0])  # [rows, V]: the carried rows verify what they emitted
-            stats.deep_passes += 1
+            stats.deep_passes += len(active) > 1
             if not self.verify(active[:-1], final_logits[:-1], at_bound=forced):
                 return
             last = final_logits[-1:]
