@@ -32,6 +32,8 @@ class DraftModelDrafter(Drafter):
         target's vocabulary rows (proposals are restricted to ids below it; default: the
         tokenizer's vocabulary size)."""
         self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise FileNotFoundError(f"draft model directory not found: {self.model_dir}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         draft_tokenizer = Tokenizer(self.model_dir)

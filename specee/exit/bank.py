@@ -200,7 +200,7 @@ class PredictorBank:
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"predictor bank not found: {path} is not a directory "
-                                    "(calibrate one first: specee.exit.calibrate(...).save(dir))")
+                                    "(make one with `specee calibrate -o DIR`, or omit the bank to calibrate and cache one)")
         manifest_path, weights_path = path / MANIFEST_FILE, path / WEIGHTS_FILE
         for p in (manifest_path, weights_path):
             if not p.is_file():
