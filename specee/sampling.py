@@ -62,8 +62,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row, [B] int64, from logits [B, V]."""
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generators: torch.Generator | list[torch.Generator | None] | None) -> torch.Tensor:
+    """Next token per row, [B] int64, from logits [B, V]. With one generator per row (one per
+    request), a seeded request draws the same tokens whatever it is batched with."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    return torch.multinomial(probabilities(logits, params), 1, generator=generator).squeeze(-1)
+    probs = probabilities(logits, params)
+    if not isinstance(generators, list):
+        return torch.multinomial(probs, 1, generator=generators).squeeze(-1)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])

@@ -157,6 +157,14 @@ def test_seeded_sampling_of_a_batch_is_reproducible(llm):
     assert a == b and len({tuple(x) for x in a}) == 3
 
 
+def test_seeded_request_is_independent_of_its_batch(llm):
+    """Seeds are per request (as in vLLM): batching a seeded request with others changes nothing."""
+    params = SamplingParams(seed=11, **SAMPLED)
+    alone = llm.generate(BATCH_PROMPTS[0], params)[0].token_ids
+    batched = llm.generate(BATCH_PROMPTS[:3], params)
+    assert batched[0].token_ids == alone
+
+
 def test_top_k_1_equals_greedy(llm, greedy_full):
     out = llm.generate(PROMPT, SamplingParams(max_tokens=40, temperature=1.5, top_k=1, seed=9, ignore_eos=True))[0]
     assert out.token_ids == greedy_full.token_ids

@@ -68,14 +68,14 @@ def generate_full_depth(model: Transformer, seqs: list[Sequence], on_text: Strea
     for s in seqs:
         check_fits(model, len(s.prompt_ids), params.max_tokens)
     cache = model.new_cache(len(seqs), max(len(s.prompt_ids) for s in seqs) + params.max_tokens)
-    generator = params.make_generator(model.device)
+    generators = [params.make_generator(model.device) for _ in seqs]  # per request, as vLLM seeds
     positions = torch.tensor([len(s.prompt_ids) for s in seqs], device=model.device)
 
     t0 = time.perf_counter()
     h = prefill(model, cache, [s.prompt_ids for s in seqs])
     t1 = time.perf_counter()
     while True:
-        tokens = sample(model.logits(h), params, generator)
+        tokens = sample(model.logits(h), params, generators)
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
             if not seq.finished:
                 seq.append(token)
