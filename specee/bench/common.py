@@ -12,9 +12,11 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..jsonable import jsonable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPEC_BENCH = ("data", "spec_bench", "question.jsonl")
@@ -341,24 +343,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 # ---- output ---------------------------------------------------------------------------------
-def _clean(x: Any) -> Any:
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if hasattr(x, "__dataclass_fields__"):
-        return _clean(asdict(x))
-    if isinstance(x, Path):
-        return str(x)
-    return x
-
-
 def write_json(path: str | Path, obj: Any) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False, ensure_ascii=False) + "\n")
+    path.write_text(json.dumps(jsonable(obj), indent=2, allow_nan=False, ensure_ascii=False) + "\n")
     return path
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..jsonable import jsonable
 from .features import FEATURE_LAYOUT, FEATURE_LAYOUT_ID, num_features
 
 FORMAT = "specee-predictor-bank"
@@ -36,19 +37,6 @@ class BankMismatchError(ValueError):
 
 class BankFormatError(ValueError):
     """The bank directory is incomplete or corrupt."""
-
-
-def _jsonable(x: Any) -> Any:
-    """Summary values as strict JSON (NaN/inf -> None, tensors -> lists)."""
-    if isinstance(x, torch.Tensor):
-        x = x.tolist()
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 class PredictorBank:
@@ -145,7 +133,7 @@ class PredictorBank:
             "drafter_fingerprint": self.drafter_fingerprint,
             "target_name": self.target_name,
             "drafter_name": self.drafter_name,
-            "summary": _jsonable(self.summary),
+            "summary": jsonable(self.summary),
         }
 
     def save(self, path: str | Path) -> Path:
