@@ -15,15 +15,14 @@ the time from the first token to the last, the same definition for both engines:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from specee.bench.common import cpu_name
+from specee.bench.common import cpu_name, round_robin
+from specee.bench.speed import hf_run, load_hf_model, specee_run
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -41,55 +40,13 @@ def load_prompts(n: int) -> list[dict]:
         if line.strip():
             q = json.loads(line)
             groups.setdefault(q["category"] if q["category"] in GROUPS else "mt_bench", []).append(q)
-    chosen: list[dict] = []
-    depth = 0
-    while len(chosen) < n and any(depth < len(g) for g in groups.values()):
-        for g in groups.values():
-            if depth < len(g) and len(chosen) < n:
-                chosen.append(g[depth])
-        depth += 1
-    return chosen
+    return round_robin(list(groups.values()), n)
 
 
-class TokenTimer:
-    """A transformers streamer that timestamps every `put` (the prompt first, then each token)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def run_specee(llm, ids: list[int], max_new: int) -> dict:
-    from specee import SamplingParams
-
-    t0 = time.perf_counter()
-    out = llm.generate(ids, SamplingParams(max_tokens=max_new, ignore_eos=True))[0]
-    wall = time.perf_counter() - t0
-    s = out.stats
-    assert s.generated_tokens == max_new, s
-    return {"tokens": list(out.token_ids), "prefill_s": s.prefill_seconds, "decode_s": s.decode_seconds,
-            "decode_tps": s.decode_tokens_per_second, "wall_s": wall}
-
-
-def run_transformers(model, gen_config, ids: list[int], max_new: int) -> dict:
-    """greedy, max_new_tokens = min_new_tokens = max_new (all set in gen_config), no EOS"""
-    input_ids = torch.tensor([ids])
-    timer = TokenTimer()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             generation_config=gen_config, streamer=timer)
-    wall = time.perf_counter() - t0
-    tokens = out[0, len(ids):].tolist()
-    assert len(tokens) == max_new and len(timer.times) == max_new + 1, (len(tokens), len(timer.times))
-    decode_s = timer.times[-1] - timer.times[1]
-    return {"tokens": tokens, "prefill_s": timer.times[1] - timer.times[0], "decode_s": decode_s,
-            "decode_tps": (max_new - 1) / decode_s, "wall_s": wall}
+def timed(run) -> dict:
+    """A specee.bench.speed Run as this script's row: tokens, seconds, decode tokens/s."""
+    return {"tokens": run.token_ids, "prefill_s": run.prefill_seconds, "decode_s": run.decode_seconds,
+            "decode_tps": run.decode_tokens / run.decode_seconds, "wall_s": run.prefill_seconds + run.decode_seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--max-new-tokens must be at least 2 (decode speed needs tokens after the first)")
 
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from specee import LLM
 
@@ -124,15 +81,14 @@ def main(argv: list[str] | None = None) -> int:
           f"| cpu: {cpu_name()}")
 
     llm = LLM(args.model, device="cpu", dtype=dtype)
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
-    # No EOS for transformers either: min_new_tokens alone masks EOS out of the argmax, which changes
-    # the greedy stream wherever EOS is the top token (specee's ignore_eos keeps it and goes on).
-    # transformers refills an unset eos_token_id from the model's generation_config / config, so
-    # it is cleared there; min_new_tokens then has nothing to mask and is kept only as a guard.
-    hf.generation_config.eos_token_id = None
-    hf.config.eos_token_id = None
-    gen_config = copy.deepcopy(hf.generation_config)
-    gen_config.update(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new)
+    hf = load_hf_model(args.model, "cpu", dtype)  # EOS cleared: it decodes exactly N tokens, like ignore_eos
+
+    def run_specee(ids: list[int]) -> dict:
+        return timed(specee_run(llm, ids, max_new))
+
+    def run_transformers(ids: list[int]) -> dict:
+        return timed(hf_run(hf, ids, max_new))
+
     print(f"transformers attention: {hf.config._attn_implementation}")
 
     hf_tok = AutoTokenizer.from_pretrained(args.model)
@@ -149,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(token ids equal to transformers' tokenizer for {same_ids}/{len(prompts)})")
 
     # one warm-up each (not measured)
-    run_specee(llm, prompts[0][1], max_new)
-    run_transformers(hf, gen_config, prompts[0][1], max_new)
+    run_specee(prompts[0][1])
+    run_transformers(prompts[0][1])
 
     rows = []
     header = f"{'id':>4} {'category':<15} {'prompt':>6} {'specee tok/s':>12} {'hf tok/s':>9} {'ratio':>6}  greedy"
@@ -158,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for i, (q, ids) in enumerate(prompts):
         if i % 2 == 0:
-            sp = run_specee(llm, ids, max_new)
-            tf = run_transformers(hf, gen_config, ids, max_new)
+            sp = run_specee(ids)
+            tf = run_transformers(ids)
         else:
-            tf = run_transformers(hf, gen_config, ids, max_new)
-            sp = run_specee(llm, ids, max_new)
+            tf = run_transformers(ids)
+            sp = run_specee(ids)
         same = sp["tokens"] == tf["tokens"]
         diverge = None if same else next(j for j, (a, b) in enumerate(zip(sp["tokens"], tf["tokens"])) if a != b)
         row = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids),

@@ -2,6 +2,7 @@
 checkpoints built with transformers (built once per session, in a temporary directory)."""
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -46,14 +47,7 @@ def real_llm():
     """real_llm(name) -> specee LLM in float32, loaded once per session."""
     from specee import LLM
 
-    cache: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = LLM(real_model_dir(name), dtype="float32")
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: LLM(real_model_dir(name), dtype="float32"))
 
 
 @pytest.fixture(scope="session")
@@ -61,28 +55,14 @@ def real_hf():
     """real_hf(name) -> transformers model in float32 (the reference), loaded once per session."""
     from checkpoints import load_hf
 
-    cache: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = load_hf(real_model_dir(name))
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: load_hf(real_model_dir(name)))
 
 
 @pytest.fixture(scope="session")
 def real_hf_tokenizer():
     from transformers import AutoTokenizer
 
-    cache: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = AutoTokenizer.from_pretrained(str(real_model_dir(name)))
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: AutoTokenizer.from_pretrained(str(real_model_dir(name))))
 
 
 @pytest.fixture(scope="session")
@@ -90,14 +70,8 @@ def tiny_checkpoint(tmp_path_factory):
     """tiny_checkpoint(variant) -> directory of a tiny random transformers checkpoint, built once."""
     from checkpoints import make_checkpoint
 
-    cache: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            cache[variant] = make_checkpoint(tmp_path_factory.mktemp(f"ckpt-{variant}") / "model", variant)
-        return cache[variant]
-
-    return get
+    return functools.cache(lambda variant: make_checkpoint(tmp_path_factory.mktemp(f"ckpt-{variant}") / "model",
+                                                           variant))
 
 
 @pytest.fixture(scope="session")
@@ -105,11 +79,4 @@ def tiny_llm(tiny_checkpoint):
     """tiny_llm(variant) -> specee LLM (float32) on a tiny random checkpoint, loaded once."""
     from specee import LLM
 
-    cache: dict[str, object] = {}
-
-    def get(variant: str):
-        if variant not in cache:
-            cache[variant] = LLM(tiny_checkpoint(variant), dtype="float32")
-        return cache[variant]
-
-    return get
+    return functools.cache(lambda variant: LLM(tiny_checkpoint(variant), dtype="float32"))
