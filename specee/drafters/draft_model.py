@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..model.kv_cache import KVCache
 from ..model.llama import StepInputs, Transformer
 from ..model.weights import fingerprint_weights
 from ..tokenizer import Tokenizer
@@ -50,7 +49,7 @@ class DraftModelDrafter(Drafter):
         self._head = self.model.lm_head_weight[:limit]  # a view: rows the target can emit
         self.context = cfg.max_position_embeddings if cfg.sliding_window is None else min(
             cfg.max_position_embeddings, cfg.sliding_window)
-        self._cache = self._new_cache(max(1, min(max_len, self.context)))
+        self._cache = self.model.new_cache(1, max(1, min(max_len, self.context)))
         self._history: list[int] = []
         self._offset = 0  # history index of cache slot 0 (> 0 only past the draft's context)
         self._n = 0  # history tokens in the cache: history[offset : offset + n]
@@ -58,18 +57,12 @@ class DraftModelDrafter(Drafter):
 
     # ---- cache management ------------------------------------------------------------------
     @torch.inference_mode()
-    def _new_cache(self, max_len: int) -> KVCache:
-        cache = self.model.new_cache(1, max_len)
-        self._slots = torch.arange(max_len, device=self.device)
-        return cache
-
-    @torch.inference_mode()
     def _ensure_capacity(self, needed: int) -> None:
         cache = self._cache
         if needed <= cache.max_len:
             return
         new_len = min(max(needed, 2 * cache.max_len), self.context)
-        grown = self._new_cache(new_len)
+        grown = self.model.new_cache(1, new_len)
         grown.k[:, :, :, : self._n] = cache.k[:, :, :, : self._n]
         grown.v[:, :, :, : self._n] = cache.v[:, :, :, : self._n]
         grown.length = self._n
@@ -88,13 +81,13 @@ class DraftModelDrafter(Drafter):
         n = self._n
         self._ensure_capacity(n + S)
         model, cache = self.model, self._cache
-        slots = self._slots[n : n + S]
+        slots = model.slot_ids[n : n + S]
         D = model.cfg.head_dim
         cos = model.cos_table[n : n + S].view(1, S, 1, D)
         sin = model.sin_table[n : n + S].view(1, S, 1, D)
         mask = None
         if S > 1:
-            mask = (self._slots[: n + S][None, :] <= slots[:, None]).view(1, 1, S, n + S)
+            mask = (model.slot_ids[: n + S][None, :] <= slots[:, None]).view(1, 1, S, n + S)
         step = StepInputs(slots=slots, cos=cos, sin=sin, mask=mask, kv_len=n + S)
         ids = torch.tensor([tokens], device=self.device)
         h = model.embed(ids)
@@ -157,7 +150,7 @@ class DraftModelDrafter(Drafter):
         model = self.model
         S = len(ids) - 1
         cache = model.new_cache(1, S)
-        slots = torch.arange(S, device=self.device)
+        slots = model.slot_ids[:S]
         mask = (slots[None, :] <= slots[:, None]).view(1, 1, S, S)
         step = model.step_inputs(slots[None, :], slots, mask, S)
         h = model.forward(torch.tensor([ids[:-1]], device=self.device), step, cache)[0, start - 1:]

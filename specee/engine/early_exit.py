@@ -166,7 +166,6 @@ class EarlyExitDecoder:
         self.thresholds = config.thresholds(bank)
         offline = bank.offline_layers if config.offline_size is None else bank.ranked_layers[: config.offline_size]
         self.offline_layers = list(offline)
-        self.arange = torch.arange(model.cfg.max_position_embeddings, device=model.device)
 
     def new_scheduler(self) -> TwoLevelScheduler:
         c = self.config
@@ -203,7 +202,6 @@ class DecodeRun:
     def __init__(self, dec: EarlyExitDecoder, seq: Sequence, on_text, force_exit):
         self.dec, self.seq, self.on_text, self.force_exit = dec, seq, on_text, force_exit
         self.model, self.cfg = dec.model, dec.model.cfg
-        self.arange = dec.arange
         self.policy, self.lossless = dec.config.kv_policy, dec.config.mode == "lossless"
         self.params = seq.params
         self.generator = self.params.make_generator(self.model.device)
@@ -374,10 +372,11 @@ class DecodeRun:
     def step_inputs(self, active: list[int]):
         """Inputs for rows at `active` slots: causal over slots (no holes under propagate/recompute)."""
         n = active[-1]
-        slots = self.arange[n:n + 1] if len(active) == 1 else torch.tensor(active, device=self.model.device)
+        ids = self.model.slot_ids
+        slots = ids[n:n + 1] if len(active) == 1 else torch.tensor(active, device=self.model.device)
         mask = None
         if len(active) > 1:
-            mask = (self.arange[: n + 1][None, :] <= slots[:, None])[None, None]
+            mask = (ids[: n + 1][None, :] <= slots[:, None])[None, None]
         return self.model.step_inputs(slots[None, :], slots, mask, n + 1)
 
     def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in) -> None:

@@ -41,7 +41,7 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> tor
     width = max(len(p) for p in prompts)
     pads = torch.tensor([width - len(p) for p in prompts], device=device)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-    slots = torch.arange(width, device=device)
+    slots = model.slot_ids[:width]
     positions = (slots[None, :] - pads[:, None]).clamp(min=0)
     cache.filled[:, :, :width] = slots[None, :] >= pads[:, None]
     cache.length = width
@@ -52,7 +52,7 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> tor
 def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Append one token per row ([B]) at the next slot, all layers; return hidden states [B, H]."""
     n = cache.length
-    slots = torch.tensor([n], device=model.device)
+    slots = model.slot_ids[n : n + 1]
     cache.mark_filled(slice(None), n)
     cache.length = n + 1
     mask = None if cache.filled.shape[1] == 1 else cache.attention_mask(0, slots, n + 1)

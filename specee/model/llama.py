@@ -86,6 +86,8 @@ class Transformer:
         check_config_fits(cfg, tensors, source)
         cos, sin = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
         self.cos_table, self.sin_table = cos, signed_sin(sin)
+        # slot / position indices 0..context-1, made once: decode steps slice it instead of allocating
+        self.slot_ids = torch.arange(cfg.max_position_embeddings, device=device)
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Transformer":
@@ -171,7 +173,7 @@ class Transformer:
         (index 0 = embeddings, index i + 1 = output of layer i). For calibration and the logit lens."""
         S = len(token_ids)
         cache = self.new_cache(1, S)
-        slots = torch.arange(S, device=self.device)
+        slots = self.slot_ids[:S]
         cache.filled[:, :, :S] = True
         step = self.step_inputs(slots[None, :], slots, cache.attention_mask(0, slots, S), S)
         h = self.embed(torch.tensor([token_ids], device=self.device))
