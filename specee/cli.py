@@ -68,14 +68,22 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True) -> Non
                        help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
 
 
-def positive_int(value: str) -> int:
+def _int_at_least(value: str, low: int, what: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value!r}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value!r}")
     return n
+
+
+def positive_int(value: str) -> int:
+    return _int_at_least(value, 1, "positive")
+
+
+def non_negative_int(value: str) -> int:
+    return _int_at_least(value, 0, "non-negative")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -438,6 +446,9 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--k", type=positive_int, default=4, help="speculative tokens per step (default: 4)")
     p.add_argument("--offline-size", type=positive_int, default=None, metavar="N",
                    help="size of the offline layer set (default: a quarter of the layers)")
+    p.add_argument("--draft-vocab", type=non_negative_int, default=None, metavar="N",
+                   help="a draft model scores only the N most frequent tokens of the calibration text "
+                        "(FR-Spec shortlist; default: a quarter of the vocabulary; 0: the whole vocabulary)")
     p.add_argument("--json", action="store_true", help="print the calibration summary as JSON")
     p.set_defaults(func=cmd_calibrate)
     return p
@@ -455,7 +466,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     drafter = llm.make_drafter(str(draft), args.k)
     limit = {} if args.prompts is None else {"max_prompts": args.prompts}
     bank = calibrate(llm, llm.tokenizer, drafter, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                     offline_size=args.offline_size, target_fingerprint=llm.fingerprint, **limit)
+                     offline_size=args.offline_size, target_fingerprint=llm.fingerprint,
+                     draft_vocab=args.draft_vocab, **limit)
     path = bank.save(args.output)
     if args.json:
         print(json.dumps(bank.manifest()))

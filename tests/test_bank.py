@@ -143,3 +143,21 @@ def test_inconsistent_shapes_rejected():
     with pytest.raises(ValueError, match="features"):
         PredictorBank(torch.zeros(2, 5, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2),
                       [0.5, 0.5], [], 4, "t", "d")
+
+
+def test_draft_vocab_shortlist_round_trips_and_is_checked(tmp_path):
+    b = make_bank()
+    assert b.manifest()["draft_vocab_size"] is None and PredictorBank.load(b.save(tmp_path / "plain")).draft_vocab is None
+    b.draft_vocab = torch.tensor([3, 7, 8, 20, 31])
+    path = b.save(tmp_path / "short")
+    assert json.loads((path / "manifest.json").read_text())["draft_vocab_size"] == 5
+    c = PredictorBank.load(path)
+    assert torch.equal(c.draft_vocab, b.draft_vocab) and "draft_vocab=5" in repr(c)
+    m = json.loads((path / "manifest.json").read_text())
+    m["draft_vocab_size"] = 4  # the manifest and the weights file must agree
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BankFormatError, match="draft_vocab_size"):
+        PredictorBank.load(path)
+    for bad in (torch.tensor([1, 2, 3]), torch.tensor([4, 3, 5, 6]), torch.tensor([-1, 2, 3, 5])):
+        with pytest.raises(ValueError, match="draft_vocab"):
+            PredictorBank(b.w1, b.b1, b.w2, b.b2, b.thresholds, [0], K, "t", "d", draft_vocab=bad)

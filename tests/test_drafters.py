@@ -177,3 +177,48 @@ def test_ngram_truncate_and_teacher_forcing():
         assert fresh.propose().tolist() == tf[j].tolist()
         fresh.advance(hist[p])
     assert d.history == hist[:14]  # teacher forcing did not touch the request state
+
+
+def test_frequency_shortlist_ranks_by_count_then_lowest_id():
+    from specee.drafters import frequency_shortlist
+
+    seqs = [[5, 5, 5, 2, 9], [9, 9, 7, 42, 2]]  # counts: 5:3, 9:3, 2:2, 7:1; 42 is out of range
+    assert frequency_shortlist(seqs, 10, 3).tolist() == [2, 5, 9]
+    assert frequency_shortlist(seqs, 10, 5).tolist() == [0, 2, 5, 7, 9]  # then unseen ids, lowest first
+    assert frequency_shortlist([], 4, 4).tolist() == [0, 1, 2, 3]
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match="shortlist size"):
+            frequency_shortlist(seqs, 10, bad)
+
+
+@needs_models
+def test_restricted_draft_proposes_the_best_of_its_shortlist(drafter, target_tok):
+    d = drafter
+    prompt = target_tok.encode("The little dog ran to the park and saw")
+    d.reset(prompt)
+    full_top = d.propose().tolist()
+    # a shortlist without the draft's favourite: the proposal must be the best k of the rest
+    short = torch.tensor(sorted(set(range(0, 8192, 3)) - {full_top[0]} | {full_top[1]}))
+    try:
+        d.restrict_vocab(short)  # after a proposal: the pending one is redone under the new head
+        assert d.shortlist is not None and torch.equal(d.shortlist, short)
+        history = list(prompt)
+        for _ in range(3):
+            top = d.propose()
+            ref = reference_logits(d.model, history)
+            best = short[ref[short].topk(d.k).indices]
+            assert set(top.tolist()) <= set(short.tolist()) and full_top[0] not in top.tolist()
+            torch.testing.assert_close(ref[top], ref[best], atol=1e-4, rtol=0)  # equal up to near-ties
+            d.advance(int(top[0]))
+            history.append(int(top[0]))
+        tf = d.teacher_forced_top_k(history, len(prompt))
+        assert set(tf.flatten().tolist()) <= set(short.tolist())
+        for bad, match in ((torch.tensor([1, 2]), ">= k=4"), (torch.tensor([1, 1, 2, 3]), "distinct"),
+                           (torch.tensor([1, 2, 3, 9000]), r"\[0, 8192\)")):
+            with pytest.raises(ValueError, match=match):
+                d.restrict_vocab(bad)
+    finally:
+        d.restrict_vocab(None)
+    assert d.shortlist is None
+    d.reset(prompt)
+    assert d.propose().tolist() == full_top

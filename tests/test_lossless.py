@@ -122,6 +122,9 @@ def ref_bank(tmp_path_factory):
     drafter = DraftModelDrafter(real_model_dir("ref-draft-4L"), llm.tokenizer, 4, "cpu", torch.float32)
     prompts = load_calibration_prompts(SHARED / "data" / "calibration" / "alpaca_en_demo.json", limit=24)
     bank = calibrate(llm.model, llm.tokenizer, drafter, prompts, k=4, max_new_tokens=48, progress=False)
+    # the draft's LM head was restricted to the calibration text's 2,048 most frequent tokens
+    assert bank.draft_vocab is not None and bank.draft_vocab.numel() == 2048
+    assert torch.equal(drafter.shortlist, bank.draft_vocab)
     bank.target_fingerprint = llm.fingerprint
     path = tmp_path_factory.mktemp("bank") / "ref"
     bank.save(path)
@@ -154,6 +157,7 @@ def test_greedy_lossless_identical_on_the_reference_pair(ref_bank):
     for scale in (1.0, 3.0, 1000.0):
         llm.enable_early_exit(EarlyExitConfig(draft=str(real_model_dir("ref-draft-4L")), bank=str(bank_path),
                                               mode="lossless", threshold_scale=scale))
+        assert llm.early_exit.drafter.shortlist.numel() == 2048  # the bank's shortlist, applied on load
         try:
             outs = llm.generate(ids, params)
         finally:

@@ -25,6 +25,7 @@ class Drafter(ABC):
     k: int
     name: str
     fingerprint: str
+    scores_vocabulary = False  # True: proposals are an LM head's top-k (`restrict_vocab` applies)
 
     @abstractmethod
     def reset(self, prompt_ids: list[int]) -> None:
@@ -47,6 +48,12 @@ class Drafter(ABC):
     def teacher_forced_top_k(self, ids: list[int], start: int) -> torch.Tensor:
         """[len(ids) - start, k]: row j is what `propose()` returns for token ids[start + j]
         having consumed ids[:start + j]. Does not change the drafter's request state."""
+
+    def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Propose only among `token_ids` (a frequency-ranked shortlist, see `frequency_shortlist`);
+        None = the whole vocabulary. Only drafters that score a vocabulary with an LM head can."""
+        if token_ids is not None:
+            raise TypeError(f"{self.name} does not score a vocabulary; it cannot be restricted to a shortlist")
 
     def extend(self, tokens: list[int]) -> None:
         """Consume several tokens (default: `advance` each)."""
@@ -116,3 +123,21 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_dir: str | Pa
             + "; ".join(problems)
             + ". A drafter must share the target's tokenizer (use a draft model from the same family, "
               "or the training-free n-gram drafter)")
+
+
+def frequency_shortlist(sequences: list[list[int]], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent token ids in `sequences` (ties and unseen ids: lowest id first),
+    ascending: FR-Spec's vocabulary shortlist for a draft model's LM head.
+
+    A draft LM head over the whole vocabulary reads vocab x hidden weights for every token
+    (on the reference draft: as many bytes as its four decoder layers together); the rare
+    tokens it skips are rarely the target's answer, and an early exit needs its token among
+    the proposals anyway."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"shortlist size must be in [1, {vocab_size}], got {size}")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for seq in sequences:
+        ids = torch.tensor([t for t in seq if 0 <= t < vocab_size], dtype=torch.long)
+        counts += torch.bincount(ids, minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
+    return torch.tensor(sorted(order[:size]), dtype=torch.long)

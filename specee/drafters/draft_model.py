@@ -22,6 +22,8 @@ from .base import Drafter, check_same_tokenizer
 
 
 class DraftModelDrafter(Drafter):
+    scores_vocabulary = True
+
     def __init__(self, model_dir: str | Path, target_tokenizer: Tokenizer, k: int = 4,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_len: int = 512,
                  *, target_dir: str | Path | None = None, vocab_size: int | None = None):
@@ -46,7 +48,9 @@ class DraftModelDrafter(Drafter):
         self.name = f"draft:{self.model_dir.name}"
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.device = self.model.device
-        self._head = self.model.lm_head_weight[:limit]  # a view: rows the target can emit
+        self.vocab_limit = limit
+        self._full_head = self.model.lm_head_weight[:limit]  # a view: rows the target can emit
+        self._head, self._head_ids = self._full_head, None  # the rows scored; their token ids (None = all)
         self.context = cfg.max_position_embeddings if cfg.sliding_window is None else min(
             cfg.max_position_embeddings, cfg.sliding_window)
         self._cache = self.model.new_cache(1, max(1, min(max_len, self.context)))
@@ -93,10 +97,14 @@ class DraftModelDrafter(Drafter):
         h = model.embed(ids)
         for i in range(model.cfg.num_layers):
             h = model.layer(i, h, step, cache)
-        logits = F.linear(model.norm(h[0, -1:]), self._head)  # [1, V]
-        self._topk = logits.topk(self.k, dim=-1).indices[0]
+        self._topk = self._top_k(model.norm(h[0, -1:]))[0]
         self._n = n + S
         cache.length = self._n
+
+    def _top_k(self, normed: torch.Tensor) -> torch.Tensor:
+        """Token ids of the k best-scored head rows for final-normed hidden states [N, H]: [N, k]."""
+        best = F.linear(normed, self._head).topk(self.k, dim=-1).indices
+        return best if self._head_ids is None else self._head_ids[best]
 
     # ---- the Drafter interface ----------------------------------------------------------------
     def reset(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
@@ -107,6 +115,30 @@ class DraftModelDrafter(Drafter):
         self._cache.length = 0
         if max_new_tokens is not None:
             self._ensure_capacity(min(len(prompt_ids) + max_new_tokens, self.context))
+
+    @property
+    def shortlist(self) -> torch.Tensor | None:
+        """The token ids the LM head scores (None: the whole vocabulary)."""
+        return self._head_ids
+
+    def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Score only the LM-head rows of `token_ids` (distinct ids below the target's vocabulary,
+        at least k of them); None restores the whole vocabulary. The pending proposal is redone."""
+        if token_ids is None:
+            self._head, self._head_ids = self._full_head, None
+        else:
+            ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+            if ids.numel() < self.k or ids.unique().numel() != ids.numel():
+                raise ValueError(f"a vocabulary shortlist needs >= k={self.k} distinct token ids, got "
+                                 f"{ids.numel()} ({ids.unique().numel()} distinct)")
+            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_limit:
+                raise ValueError(f"shortlist token ids must be in [0, {self.vocab_limit})")
+            ids = ids.to(self.device)
+            self._head, self._head_ids = self._full_head[ids].contiguous(), ids
+        if self._topk is not None:  # proposed under the old head: re-run the last cached token
+            self._n -= 1
+            self._cache.length = self._n
+            self._topk = None
 
     def advance(self, token: int) -> None:
         self._history.append(int(token))
@@ -154,8 +186,7 @@ class DraftModelDrafter(Drafter):
         mask = (slots[None, :] <= slots[:, None]).view(1, 1, S, S)
         step = model.step_inputs(slots[None, :], slots, mask, S)
         h = model.forward(torch.tensor([ids[:-1]], device=self.device), step, cache)[0, start - 1:]
-        logits = F.linear(model.norm(h), self._head)
-        return logits.topk(self.k, dim=-1).indices
+        return self._top_k(model.norm(h))
 
     def teacher_forced_top_k_batch(self, seqs: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
         """`teacher_forced_top_k` for several sequences (one forward each; the draft is small)."""

@@ -26,6 +26,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+BANK_RECIPE = "r2"  # r2: the draft model's LM head restricted to a frequency shortlist
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto' is float32 on CPU (fastest there for small matmuls) and bfloat16 on accelerators."""
     if isinstance(dtype, torch.dtype):
@@ -98,11 +101,13 @@ class LLM:
                                       expect_drafter=drafter.fingerprint, num_layers=self.model.cfg.num_layers)
         else:
             bank = self.cached_bank(drafter, config.k)
+        drafter.restrict_vocab(bank.draft_vocab)  # the shortlist the predictors were calibrated with
         self.early_exit = EarlyExitDecoder(self.model, drafter, bank.to(self.model.device, self.model.dtype), config)
 
     def cached_bank(self, drafter: Drafter, k: int) -> PredictorBank:
         """The bank for this target + drafter from the user's cache, calibrating it on first use."""
-        path = default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}"
+        # the suffix names the calibration recipe: banks cached by an older recipe are not reused
+        path = default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{BANK_RECIPE}"
         if (path / "manifest.json").exists():
             return PredictorBank.load(path, expect_target=self.fingerprint, expect_drafter=drafter.fingerprint,
                                       num_layers=self.model.cfg.num_layers)

@@ -3,7 +3,9 @@
     prob_l(x) = sigmoid(w2[l] . relu(x @ w1[l] + b1[l]) + b2[l]),   x = exit features [N, 3k]
 
 Feature standardisation learnt in calibration is folded into w1/b1, so inference is two
-small matmuls. A layer with threshold inf is disabled (never exits). A bank is saved as a
+small matmuls. A bank may also carry the draft model's vocabulary shortlist (`draft_vocab`,
+chosen at calibration): the predictors learnt the drafter's proposals under it, so the
+drafter must use the same one. A layer with threshold inf is disabled (never exits). A bank is saved as a
 directory: `predictors.safetensors` (the weights) + `manifest.json` (everything else),
 written to a temporary directory first and renamed into place, so a failed save leaves
 nothing half-written. Loading reads safetensors only (no pickle) and checks that the bank
@@ -44,7 +46,7 @@ class PredictorBank:
                  thresholds: list[float], offline_layers: list[int], k: int,
                  target_fingerprint: str, drafter_fingerprint: str, summary: dict[str, Any] | None = None,
                  *, feature_layout: str = FEATURE_LAYOUT_ID, target_name: str = "", drafter_name: str = "",
-                 ranked_layers: list[int] | None = None):
+                 ranked_layers: list[int] | None = None, draft_vocab: torch.Tensor | None = None):
         L, F, hidden = w1.shape
         if F != num_features(k):
             raise ValueError(f"w1 has {F} inputs but k={k} gives {num_features(k)} features")
@@ -68,6 +70,11 @@ class PredictorBank:
         # enabled layers, most useful first (calibration's greedy order): `ranked_layers[:n]` is
         # the best offline set of size n
         self.ranked_layers = [int(l) for l in ranked_layers]
+        if draft_vocab is not None:
+            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).flatten().cpu()
+            if draft_vocab.numel() < k or bool((draft_vocab[1:] <= draft_vocab[:-1]).any()) or int(draft_vocab[0]) < 0:
+                raise ValueError(f"draft_vocab must hold >= k={k} distinct non-negative token ids, ascending")
+        self.draft_vocab = draft_vocab
         self.k, self.hidden, self.num_layers = int(k), int(hidden), int(L)
         self.target_fingerprint, self.drafter_fingerprint = target_fingerprint, drafter_fingerprint
         self.target_name, self.drafter_name = target_name, drafter_name
@@ -133,6 +140,7 @@ class PredictorBank:
             "drafter_fingerprint": self.drafter_fingerprint,
             "target_name": self.target_name,
             "drafter_name": self.drafter_name,
+            "draft_vocab_size": None if self.draft_vocab is None else int(self.draft_vocab.numel()),
             "summary": jsonable(self.summary),
         }
 
@@ -153,6 +161,8 @@ class PredictorBank:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
             tensors = {n: getattr(self, n).detach().to("cpu", torch.float32).contiguous() for n in _TENSORS}
+            if self.draft_vocab is not None:
+                tensors["draft_vocab"] = self.draft_vocab.contiguous()
             save_file(tensors, str(tmp / WEIGHTS_FILE),
                       metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
             (tmp / MANIFEST_FILE).write_text(json.dumps(self.manifest(), indent=2, allow_nan=False) + "\n")
@@ -228,12 +238,19 @@ class PredictorBank:
         missing = [n for n in _TENSORS if n not in tensors]
         if missing:
             raise BankFormatError(f"{weights_path}: tensors {missing} missing")
+        vocab_size = m.get("draft_vocab_size")
+        draft_vocab = tensors.get("draft_vocab")
+        if (draft_vocab is None) != (vocab_size is None) or (
+                draft_vocab is not None and draft_vocab.numel() != vocab_size):
+            raise BankFormatError(f"{path}: the manifest's draft_vocab_size ({vocab_size}) does not match the "
+                                  f"weights file ({'no' if draft_vocab is None else draft_vocab.numel()} shortlist ids)")
         thresholds = [math.inf if t is None else float(t) for t in m.get("thresholds", [])]
         try:
             bank = cls(tensors["w1"], tensors["b1"], tensors["w2"], tensors["b2"], thresholds,
                        m.get("offline_layers", []), m["k"], target_fp, drafter_fp, m.get("summary") or {},
                        feature_layout=m["feature_layout"], target_name=m.get("target_name", ""),
-                       drafter_name=m.get("drafter_name", ""), ranked_layers=m.get("ranked_layers"))
+                       drafter_name=m.get("drafter_name", ""), ranked_layers=m.get("ranked_layers"),
+                       draft_vocab=draft_vocab)
         except (KeyError, ValueError, TypeError) as e:
             raise BankFormatError(f"{path}: inconsistent bank ({e})") from None
         if bank.hidden != m.get("hidden") or bank.num_layers != m.get("num_layers"):
@@ -243,4 +260,5 @@ class PredictorBank:
 
     def __repr__(self) -> str:
         return (f"PredictorBank(layers={self.num_layers}, k={self.k}, hidden={self.hidden}, "
-                f"enabled={len(self.enabled_layers)}, offline={self.offline_layers})")
+                f"enabled={len(self.enabled_layers)}, offline={self.offline_layers}, "
+                f"draft_vocab={None if self.draft_vocab is None else self.draft_vocab.numel()})")
