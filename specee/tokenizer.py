@@ -89,7 +89,9 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding everything.
 
     Decodes a short window (prefix_offset..) and holds back text ending in an incomplete
-    UTF-8 sequence, so multi-byte characters split across tokens stream correctly.
+    UTF-8 sequence, so multi-byte characters split across tokens stream correctly. When the
+    output ends, `flush` releases what is still held (a dangling partial character decodes
+    to U+FFFD, as a whole-sequence decode gives it).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
@@ -100,9 +102,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (the output ended): decoded as it stands."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             delta = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return delta

@@ -191,3 +191,27 @@ def test_template_raise_exception(templated):
         hf.apply_chat_template(bad, tokenize=False)
     with pytest.raises(ValueError, match="chat template error: Conversation roles must alternate"):
         ours.apply_chat_template(bad)
+
+
+def test_output_ending_inside_a_multibyte_character_keeps_it_as_the_full_decode_does():
+    """A request that stops (length or EOS) after 1 or 2 of the 3 byte tokens of "€": its text is
+    what decoding all its tokens gives (a trailing U+FFFD), not the text before the character."""
+    from specee.engine.sequence import Sequence
+    from specee.sampling import SamplingParams
+
+    tok = Tokenizer(real_model_dir("ref-target-24L"))
+    prompt = tok.encode("Price:")
+    ids = tok.encode(" 5€", add_special_tokens=False)
+    assert tok.decode(ids[:-1]).endswith("\ufffd")  # the euro sign is split over byte tokens
+    eos = tok.eos_token_id
+    for cut in (len(ids) - 2, len(ids) - 1):
+        by_length = Sequence("", prompt, SamplingParams(max_tokens=cut), tok, frozenset({eos}))
+        by_eos = Sequence("", prompt, SamplingParams(max_tokens=99), tok, frozenset({eos}))
+        for t in ids[:cut]:
+            by_length.append(t)
+            by_eos.append(t)
+        by_eos.append(eos)
+        for seq, reason in ((by_length, "length"), (by_eos, "stop")):
+            assert seq.finish_reason == reason
+            assert seq.text == tok.decode(ids[:cut]) and seq.text.endswith("\ufffd")
+            assert seq.take_stream_delta() == seq.text  # streaming ends with the same text

@@ -79,19 +79,21 @@ class Sequence:
         """Accept one generated token and decide whether the request is done."""
         self.output_ids.append(token)
         self.stats.generated_tokens = len(self.output_ids)
-        if token in self.eos_ids and not self.params.ignore_eos:
-            self.finish_reason = "stop"
-            return
+        eos = token in self.eos_ids and not self.params.ignore_eos
+        last = eos or len(self.output_ids) >= self.params.max_tokens
         before = len(self.text)
-        self.text += self.detok.add(token)
+        if not eos:
+            self.text += self.detok.add(token)
+        if last:  # nothing follows: release a held partial character too
+            self.text += self.detok.flush()
         for stop in self.params.stop:
             cut = self.text.find(stop, max(0, before - len(stop) + 1))
             if cut >= 0:
                 self.text = self.text[:cut]
                 self.finish_reason = "stop"
                 return
-        if len(self.output_ids) >= self.params.max_tokens:
-            self.finish_reason = "length"
+        if last:
+            self.finish_reason = "stop" if eos else "length"
 
     def take_stream_delta(self) -> str:
         """Text not yet streamed, holding back a tail that could still become a stop string."""
