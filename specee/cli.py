@@ -440,7 +440,7 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
                         "directory of them (default: ../shared/data/calibration)")
     p.add_argument("-o", "--output", metavar="BANK", required=True, help="directory to write the bank to")
     p.add_argument("--prompts", type=positive_int, default=None, metavar="N",
-                   help="use at most N prompts (default: 96, which takes about 2 minutes for the reference pair on CPU)")
+                   help="use at most N prompts (default: 96, which takes 1-2 minutes for the reference pair on a 2-core CPU)")
     p.add_argument("--max-new-tokens", type=positive_int, default=96, metavar="N",
                    help="tokens the target generates per prompt to calibrate on (default: 96)")
     p.add_argument("--k", type=positive_int, default=4, help="speculative tokens per step (default: 4)")
