@@ -172,6 +172,10 @@ def test_calibrate_argument_errors(stories):
         calibrate(model, tok, drafter, PROMPTS, k=8, target_dir=STORIES, progress=False)
     with pytest.raises(ValueError, match="no calibration prompts"):
         calibrate(model, tok, drafter, [], target_dir=STORIES, progress=False)
+    with pytest.raises(ValueError, match="does not score a vocabulary"):
+        calibrate(model, tok, drafter, PROMPTS, target_dir=STORIES, progress=False, draft_vocab=100)
+    with pytest.raises(ValueError, match="draft_vocab must be >= 0"):
+        calibrate(model, tok, drafter, PROMPTS, target_dir=STORIES, progress=False, draft_vocab=-1)
 
 
 @needs_shared

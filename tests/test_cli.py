@@ -159,6 +159,8 @@ def test_usage_errors_exit_2(capsys):
     assert code == 2 and "--prompt" in err
     code, _, err = run(capsys, "generate", "--prompt", "hi", "--max-new-tokens", "0")
     assert code == 2 and "positive integer" in err
+    code, _, err = run(capsys, "calibrate", "-o", "x", "--draft-vocab", "-5")
+    assert code == 2 and "non-negative integer" in err
     code, _, err = run(capsys, "frobnicate")
     assert code == 2
 

@@ -596,8 +596,14 @@ def record_calibration(model, tokenizer, drafter, prompts: list[str] | list[list
     Returns {"feats" [L, N, 3k], "correct" [L, N], "in_spec" [L, N], "owner" [N] (prompt index),
     "final" [N] (teacher-forced final argmax), "next" [N] (the generated token), "draft_vocab"
     (the shortlist, or None), ...}."""
-    if draft_vocab is not None and draft_vocab < 0:
-        raise ValueError(f"draft_vocab must be >= 0 (0 = the whole vocabulary), got {draft_vocab}")
+    if draft_vocab is not None:
+        if draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0 = the whole vocabulary), got {draft_vocab}")
+        if draft_vocab and not drafter.scores_vocabulary:
+            raise ValueError(f"draft_vocab={draft_vocab}: the drafter {drafter.name} does not score a vocabulary "
+                             "(only a draft model's LM head can be restricted)")
+        if drafter.scores_vocabulary and draft_vocab > drafter.vocab_limit:
+            raise ValueError(f"draft_vocab={draft_vocab} exceeds the draft's vocabulary ({drafter.vocab_limit} tokens)")
     if not prompts:
         raise ValueError("no calibration prompts")
     if eos_ids is None:
