@@ -325,8 +325,9 @@ def check_outputs(out: Path, pngs: list[str]) -> dict:
 def test_cli_speed(tmp_path, banks, capsys):
     out = tmp_path / "speed"
     stdout = run_cli(["bench", "speed", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "8",
-                      "--repeats", "1", "--warmup", "0", "--policies", "skip,recompute"], capsys)
+                      "--repeats", "1", "--warmup", "0", "--policies", "skip,recompute", "--oracle-layers", "3"], capsys)
     assert "| configuration | tokens/s |" in stdout and "lossless vs full depth" in stdout
+    assert "Where the time goes" in stdout and "ceiling at oracle depth 3.00" in stdout
     r = check_outputs(out, ["exit_histogram.png", "throughput.png"])
     assert r["order"] == ["transformers", "full", "ee-skip", "ee-recompute", "lossless"]
     assert [p["category"] for p in r["prompts"]] == ["writing", "qa"]
@@ -344,6 +345,32 @@ def test_cli_speed(tmp_path, banks, capsys):
     assert [x["identical"] for x in r["identity"]["lossless"]["per_prompt"]] == [True, True]
     assert r["identity"]["transformers"]["all_identical"] is True
     assert r["configs"]["lossless"]["lossless"]["deep_passes"] >= 0
+    cost = r["cost"]
+    assert cost["layer_ms"] > 0 and cost["oracle_layers"] == 3.0
+    assert set(cost["configs"]) == {"full", "ee-skip", "ee-recompute", "lossless"}  # specee's own configs
+    for name, c in cost["configs"].items():
+        assert c["total_ms"] == pytest.approx(1e3 / r["configs"][name]["decode_tokens_per_second"])
+
+
+def test_cost_breakdown_known_numbers():
+    """Full depth 10 ms/token over 10 layers of 0.5 ms (other 5 ms); early exit 8 ms/token at 4 layers
+    with a 2 ms drafter: the ceilings and the depths needed follow from those by hand."""
+    from specee.bench.cost import cost_breakdown
+
+    configs = {"full": {"kind": "full", "decode_tokens_per_second": 100.0},
+               "ee": {"kind": "early_exit", "decode_tokens_per_second": 125.0, "mean_exit_layer": 4.0,
+                      "time_share": {"drafter": 0.25, "predictors": 0.125, "verification": 0.0}}}
+    cost = cost_breakdown(configs, 0.5, 10, oracle_layers=2.0)
+    full, ee = cost["configs"]["full"], cost["configs"]["ee"]
+    assert full["total_ms"] == pytest.approx(10) and full["other_ms"] == pytest.approx(5)
+    assert (ee["total_ms"], ee["layers_ms"], ee["drafter_ms"], ee["predictors_ms"], ee["other_ms"]) == \
+        pytest.approx((8, 2, 2, 1, 3))
+    assert ee["ceiling_at_this_depth"] == pytest.approx(10 / 9)  # 2 + 5 + 2 ms
+    assert ee["ceiling_at_oracle_depth"] == pytest.approx(10 / 8)  # 1 + 5 + 2 ms
+    assert ee["ceiling_without_drafter_at_oracle_depth"] == pytest.approx(10 / 6)
+    assert ee["layers_needed"]["1"] == pytest.approx(6) and ee["layers_needed"]["1.2"] == pytest.approx(8 / 3)
+    assert ee["layers_needed"]["1.5"] < 0  # 1.5x would need the drafter and the rest to fit in 6.67 ms: no
+    assert cost_breakdown({"ee": configs["ee"]}, 0.5, 10)["configs"] == {}  # nothing to compare with
 
 
 def test_cli_quality(tmp_path, banks, capsys):

@@ -162,7 +162,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
     report = run_speed(llm, prompts, draft=draft, bank=args.bank, k=args.k, max_new_tokens=args.max_new_tokens,
                        repeats=args.repeats, warmup=args.warmup, policies=policies, lossless=not args.no_lossless,
                        hf=not args.no_hf, chat=args.chat, ee_options=ee_options(args),
-                       show_progress=not args.no_progress, argv=argv_of(args))
+                       show_progress=not args.no_progress, argv=argv_of(args), oracle_layers=args.oracle_layers)
     return finish(args, report, speed_markdown(report),
                   {"exit_histogram.png": plots.plot_exit_histograms, "throughput.png": plots.plot_throughput})
 
@@ -255,6 +255,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--policies", default="skip,propagate,recompute", help="KV policies to run in lossy mode")
     s.add_argument("--no-lossless", action="store_true", help="skip lossless mode")
     s.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    s.add_argument("--oracle-layers", type=float, default=None, metavar="X",
+                   help="the oracle's mean layers run (from `specee bench oracle`): adds the speedup ceiling at "
+                        "that depth to the cost breakdown")
     s.set_defaults(func=cmd_speed)
 
     q = sub.add_parser("quality", help="agreement with full depth, perplexity, multiple-choice accuracy",

@@ -198,8 +198,9 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
               max_new_tokens: int = 128, repeats: int = 3, warmup: int = 1,
               policies: Sequence[str] = POLICIES, lossless: bool = True, hf: bool = True,
               chat: str | bool = "auto", ee_options: dict[str, Any] | None = None, show_progress: bool = True,
-              hf_model=None, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Measure every configuration on `prompts`; returns the report dict (see module doc)."""
+              hf_model=None, argv: Sequence[str] | None = None, oracle_layers: float | None = None) -> dict[str, Any]:
+    """Measure every configuration on `prompts`; returns the report dict (see module doc).
+    oracle_layers: the oracle's mean layers run (`specee bench oracle`), for the cost ceilings."""
     from .common import BenchError
 
     if repeats < 1 or warmup < 0:
@@ -299,6 +300,11 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
                        "same_token_rate": sum(r["same_token_rate"] for r in rows) / len(rows),
                        "per_prompt": rows}
 
+    cost = None
+    if "full" in results:
+        from .cost import cost_breakdown, layer_ms
+
+        cost = cost_breakdown(results, layer_ms(llm.model, fitted[0][0]), llm.model.cfg.num_layers, oracle_layers)
     return {
         "benchmark": "speed",
         "environment": environment(llm, draft=draft, drafter=getattr(getattr(llm, "_bench_decoder", None), "drafter", None),
@@ -312,6 +318,7 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
         "order": list(results),
         "configs": results,
         "identity": ident,
+        "cost": cost,
     }
 
 
@@ -345,6 +352,10 @@ def speed_markdown(report: dict[str, Any]) -> str:
             lines += [f"Lossless: {x['deep_passes']} deep passes verified {x['verified_positions']} positions "
                       f"({fmt_num(x['verified_per_deep_pass'])} per pass), {x['rollbacks']} rollbacks, "
                       f"{x['discarded_tokens']} tokens discarded.", ""]
+    if report.get("cost"):
+        from .cost import cost_markdown
+
+        lines += [cost_markdown(report["cost"], {n: cfgs[n]["label"] for n in order})]
     cats = list(cfgs[order[0]]["per_category"])
     lines += ["## Per category (tokens/s, speedup vs full depth in parentheses, mean exit layer in brackets)", ""]
     rows = []

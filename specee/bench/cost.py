@@ -1,0 +1,139 @@
+"""Where a decode token's time goes, and what early exit could reach with this drafter.
+
+The oracle bound counts decoder layers; time also has parts that early exit does not shrink
+(embedding, LM head, sampling, bookkeeping) and parts it adds (drafter, predictors,
+verification heads). This module measures one decoder layer's cost on the decode path, splits
+each configuration's time per decode token into those parts, and from them derives:
+
+* ceiling(m) = full / (m * layer + other_full + drafter): the speedup of early exit that runs m
+  layers per token with predictors that cost nothing and never miss, paying only for the
+  drafter as measured (at the measured depth, and at the oracle's depth when given);
+* layers_needed(S) = (full / S - other_full - drafter) / layer: the mean depth a speedup S
+  requires (below 0: unreachable whatever the depth).
+
+`other` of full depth stands in for early exit's non-layer, non-drafter time in both; the
+split of each early-exit run shows how close that is.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from .common import md_table
+
+SPEEDUPS = (1.0, 1.2, 1.5)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def layer_ms(model, prompt_ids: list[int], steps: int = 32, rounds: int = 4) -> float:
+    """Milliseconds one decoder layer adds to a batch-1 decode step: decode steps through all
+    layers and through half of them, interleaved; the median difference per layer."""
+    from ..engine.full_depth import prefill
+
+    L = model.cfg.num_layers
+    half = L // 2
+    prompt_ids = prompt_ids[-32:]
+    steps = max(1, min(steps, (model.cfg.max_position_embeddings - len(prompt_ids) - 1) // (2 * rounds)))
+    cache = model.new_cache(1, len(prompt_ids) + 2 * rounds * steps + 1)
+    h = prefill(model, cache, [prompt_ids])
+    token = model.logits(h).argmax(-1, keepdim=True)  # [1, 1]
+    times: dict[int, list[float]] = {L: [], half: []}
+    for r in range(rounds):
+        for depth in ((L, half) if r % 2 == 0 else (half, L)):
+            _sync(model.device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                n = cache.length
+                slots = model.slot_ids[n : n + 1]
+                cache.length = n + 1
+                step = model.step_inputs(slots[None, :], slots, None, n + 1)
+                x = model.embed(token)
+                for i in range(depth):
+                    x = model.layer(i, x, step, cache)
+                token = model.logits(x[:, -1]).argmax(-1, keepdim=True)
+            _sync(model.device)
+            times[depth].append((time.perf_counter() - t0) / steps)
+    return max(statistics.median(times[L]) - statistics.median(times[half]), 0.0) / (L - half) * 1e3
+
+
+def cost_breakdown(configs: dict[str, dict[str, Any]], layer: float, num_layers: int,
+                   oracle_layers: float | None = None) -> dict[str, Any]:
+    """Per configuration (speed-report entries with decode_tokens_per_second, and for early exit
+    mean_exit_layer and time_share): ms per decode token split into layers / drafter /
+    predictors / verification / other, plus the ceilings of the module docstring."""
+    out: dict[str, Any] = {"layer_ms": layer, "num_layers": num_layers, "oracle_layers": oracle_layers,
+                           "configs": {}}
+    full = configs.get("full")
+    if full is None or not full.get("decode_tokens_per_second"):
+        return out
+    full_ms = 1e3 / full["decode_tokens_per_second"]
+    other_full = full_ms - num_layers * layer
+    out["configs"]["full"] = {"total_ms": full_ms, "layers_ms": num_layers * layer, "other_ms": other_full}
+    for name, c in configs.items():
+        if c.get("kind") != "early_exit" or not c.get("decode_tokens_per_second"):
+            continue
+        total = 1e3 / c["decode_tokens_per_second"]
+        share = c.get("time_share", {})
+        parts = {f"{p}_ms": share.get(p, 0.0) * total for p in ("drafter", "predictors", "verification")}
+        depth = c.get("mean_exit_layer", num_layers)
+        layers_ms = depth * layer
+        drafter = parts["drafter_ms"]
+
+        def ceiling(m: float) -> float:
+            return full_ms / (m * layer + other_full + drafter)
+
+        needed = {f"{s:g}": (full_ms / s - other_full - drafter) / layer if layer > 0 else None for s in SPEEDUPS}
+        out["configs"][name] = {
+            "total_ms": total, "layers_ms": layers_ms, **parts,
+            "other_ms": total - layers_ms - sum(parts.values()),
+            "ceiling_at_this_depth": ceiling(depth),
+            "ceiling_at_oracle_depth": ceiling(oracle_layers) if oracle_layers is not None else None,
+            "ceiling_without_drafter_at_oracle_depth":
+                full_ms / (oracle_layers * layer + other_full) if oracle_layers is not None else None,
+            "layers_needed": needed,
+        }
+    return out
+
+
+def cost_markdown(cost: dict[str, Any], labels: dict[str, str]) -> str:
+    cfgs = cost["configs"]
+    if "full" not in cfgs:
+        return ""
+    L, layer, oracle = cost["num_layers"], cost["layer_ms"], cost.get("oracle_layers")
+    rows = []
+    for name, c in cfgs.items():
+        rows.append([labels.get(name, name), c["total_ms"], c["layers_ms"], c.get("drafter_ms"), c.get("predictors_ms"),
+                     c.get("verification_ms"), c["other_ms"]])
+    lines = ["## Where the time goes (ms per decode token)", "",
+             f"One decoder layer costs {layer:.3f} ms on the decode path (measured: steps through all {L} layers vs "
+             f"half of them). Layers = mean layers run x that; other = embedding, LM head, sampling, bookkeeping "
+             "(and, for recompute, the carried rows).", "",
+             md_table(["configuration", "total", "layers", "drafter", "predictors", "verification", "other"], rows,
+                      digits=2), ""]
+    ee = [n for n in cfgs if n != "full"]
+    if ee:
+        head = ["configuration", "ceiling at its depth"]
+        if oracle is not None:
+            head += [f"ceiling at oracle depth {oracle:.2f}", "same, drafter free"]
+        head += [f"layers needed for {s:g}x" for s in SPEEDUPS]
+        rows = []
+        for n in ee:
+            c = cfgs[n]
+            row = [labels.get(n, n), c["ceiling_at_this_depth"]]
+            if oracle is not None:
+                row += [c["ceiling_at_oracle_depth"], c["ceiling_without_drafter_at_oracle_depth"]]
+            row += [c["layers_needed"][f"{s:g}"] for s in SPEEDUPS]
+            rows.append(row)
+        lines += ["Ceilings: the speedup over full depth of early exit with predictors that cost nothing and never "
+                  "miss, paying the drafter as measured; layers needed: the mean depth a speedup requires (below 0: "
+                  "unreachable with this drafter at any depth).", "",
+                  md_table(head, rows, digits=2), ""]
+    return "\n".join(lines)
