@@ -6,7 +6,10 @@ batch-1 KV cache. `advance` only records the token; the forward runs lazily in
 go through the draft model in one forward, and a `truncate` right after an `advance`
 costs nothing. The per-token path is lean: cache slots, RoPE rows and the LM head slice
 are views of tensors prepared once; the only per-step allocations are the layer
-activations and the one-token input. Nothing is copied to the host.
+activations and the one-token input. Nothing is copied to the host. `restrict_vocab` makes
+the LM head score only a shortlist of frequent tokens (FR-Spec; calibration picks it and the
+predictor bank carries it): the full head reads as many bytes per token as the reference
+draft's four layers.
 """
 from __future__ import annotations
 
