@@ -219,6 +219,14 @@ def use_config(llm, config) -> None:
     llm._bench_decoder = llm.early_exit
 
 
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA), so that host timers measure it."""
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
 # ---- the environment record --------------------------------------------------------------------
 def git_commit(root: Path = REPO_ROOT) -> dict[str, Any] | None:
     """The repository's HEAD commit and whether tracked files differ from it (read-only git calls)."""

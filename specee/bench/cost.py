@@ -22,44 +22,33 @@ from typing import Any
 
 import torch
 
-from .common import md_table
+from .common import md_table, sync
 
 SPEEDUPS = (1.0, 1.2, 1.5)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
 def layer_ms(model, prompt_ids: list[int], steps: int = 32, rounds: int = 4) -> float:
     """Milliseconds one decoder layer adds to a batch-1 decode step: decode steps through all
     layers and through half of them, interleaved; the median difference per layer."""
-    from ..engine.full_depth import prefill
+    from ..engine.full_depth import decode_step, prefill
 
     L = model.cfg.num_layers
     half = L // 2
     prompt_ids = prompt_ids[-32:]
     steps = max(1, min(steps, (model.cfg.max_position_embeddings - len(prompt_ids) - 1) // (2 * rounds)))
     cache = model.new_cache(1, len(prompt_ids) + 2 * rounds * steps + 1)
-    h = prefill(model, cache, [prompt_ids])
-    token = model.logits(h).argmax(-1, keepdim=True)  # [1, 1]
+    token = model.logits(prefill(model, cache, [prompt_ids])).argmax(-1)  # [1]
+    positions = torch.tensor([len(prompt_ids)], device=model.device)
     times: dict[int, list[float]] = {L: [], half: []}
     for r in range(rounds):
         for depth in ((L, half) if r % 2 == 0 else (half, L)):
-            _sync(model.device)
+            sync(model.device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                n = cache.length
-                slots = model.slot_ids[n : n + 1]
-                cache.length = n + 1
-                step = model.step_inputs(slots[None, :], slots, None, n + 1)
-                x = model.embed(token)
-                for i in range(depth):
-                    x = model.layer(i, x, step, cache)
-                token = model.logits(x[:, -1]).argmax(-1, keepdim=True)
-            _sync(model.device)
+                token = model.logits(decode_step(model, cache, token, positions, depth)).argmax(-1)
+                positions += 1
+            sync(model.device)
             times[depth].append((time.perf_counter() - t0) / steps)
     return max(statistics.median(times[L]) - statistics.median(times[half]), 0.0) / (L - half) * 1e3
 

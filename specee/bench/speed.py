@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .common import (Prompt, environment, environment_md, fit_prompt, make_config, md_table, median, progress,
-                     ratio, resolve_chat, use_config)
+                     ratio, resolve_chat, sync, use_config)
 
 POLICIES = ("skip", "propagate", "recompute")
 
@@ -50,13 +50,6 @@ class ConfigSpec:
 
 
 # ---- timing one generation -------------------------------------------------------------------
-def _sync(device) -> None:
-    import torch
-
-    if getattr(device, "type", str(device)).startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def specee_run(llm, ids: list[int], max_new_tokens: int) -> Run:
     from ..sampling import SamplingParams
 
@@ -109,11 +102,11 @@ def hf_run(model, ids: list[int], max_new_tokens: int, eos_ids: Sequence[int] = 
                            eos_token_id=None, pad_token_id=(eos[0] if eos else 0))
     input_ids = torch.tensor([ids], device=device)
     with torch.inference_mode():
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                              generation_config=gen, streamer=clock)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
     new = out[0, len(ids):].tolist()
     first = clock.times[1] if len(clock.times) > 1 else t1

@@ -135,9 +135,7 @@ def frequency_shortlist(sequences: list[list[int]], vocab_size: int, size: int) 
     the proposals anyway."""
     if not 1 <= size <= vocab_size:
         raise ValueError(f"shortlist size must be in [1, {vocab_size}], got {size}")
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for seq in sequences:
-        ids = torch.tensor([t for t in seq if 0 <= t < vocab_size], dtype=torch.long)
-        counts += torch.bincount(ids, minlength=vocab_size)
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
-    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+    ids = torch.tensor([t for seq in sequences for t in seq if 0 <= t < vocab_size], dtype=torch.long)
+    counts = torch.bincount(ids, minlength=vocab_size)
+    order = torch.sort(counts, descending=True, stable=True).indices  # stable: ties keep the lowest id first
+    return order[:size].sort().values

@@ -49,15 +49,17 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> tor
     return model.forward(ids, step, cache)[:, -1]
 
 
-def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Append one token per row ([B]) at the next slot, all layers; return hidden states [B, H]."""
+def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                depth: int | None = None) -> torch.Tensor:
+    """Append one token per row ([B]) at the next slot through layers 0..depth-1 (default: all);
+    return hidden states [B, H]."""
     n = cache.length
     slots = model.slot_ids[n : n + 1]
     cache.mark_filled(slice(None), n)
     cache.length = n + 1
     mask = None if cache.filled.shape[1] == 1 else cache.attention_mask(0, slots, n + 1)
     step = model.step_inputs(positions[:, None], slots, mask, n + 1)
-    return model.forward(tokens[:, None], step, cache)[:, -1]
+    return model.forward(tokens[:, None], step, cache, depth)[:, -1]
 
 
 @torch.inference_mode()

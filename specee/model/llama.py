@@ -161,10 +161,11 @@ class Transformer:
         return self.lm_head(self.norm(h))
 
     # ---- a whole forward over all layers ---------------------------------------------------
-    def forward(self, token_ids: torch.Tensor, step: StepInputs, cache: KVCache) -> torch.Tensor:
-        """Full-depth forward of rows token_ids [B, S]; returns final hidden states [B, S, H]."""
+    def forward(self, token_ids: torch.Tensor, step: StepInputs, cache: KVCache, depth: int | None = None) -> torch.Tensor:
+        """Forward of rows token_ids [B, S] through layers 0..depth-1 (default: all); returns their
+        hidden states [B, S, H] (the final ones at full depth)."""
         h = self.embed(token_ids)
-        for i in range(self.cfg.num_layers):
+        for i in range(self.cfg.num_layers if depth is None else depth):
             h = self.layer(i, h, step, cache)
         return h
 
