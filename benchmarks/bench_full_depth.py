@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from specee.bench.common import cpu_name, round_robin
-from specee.bench.speed import hf_run, load_hf_model, specee_run
+from specee.bench.speed import hf_run, identity, load_hf_model, specee_run
+from specee.engine.llm import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -30,7 +31,6 @@ DEFAULT_MODEL = SHARED / "models" / "ref-target-24L"
 SPEC_BENCH = SHARED / "data" / "spec_bench" / "question.jsonl"
 # Spec-Bench's six task groups; the eight MT-Bench categories form one of them.
 GROUPS = ("translation", "summarization", "qa", "math_reasoning", "rag")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_prompts(n: int) -> list[dict]:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             tf = run_transformers(ids)
             sp = run_specee(ids)
         same = sp["tokens"] == tf["tokens"]
-        diverge = None if same else next(j for j, (a, b) in enumerate(zip(sp["tokens"], tf["tokens"])) if a != b)
+        diverge = identity(sp["tokens"], tf["tokens"])["first_mismatch"]
         row = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids),
                "specee": {k: v for k, v in sp.items() if k != "tokens"},
                "transformers": {k: v for k, v in tf.items() if k != "tokens"},

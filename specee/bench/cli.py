@@ -13,23 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli import DTYPE_CHOICES, device_arg, positive_int
+from ..cli import DTYPE_CHOICES, device_arg, non_negative_int, positive_int
 from .common import (DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, load_prompts, parse_list, write_json,
                      write_text)
 
 
-
-def _nonneg(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return n
-
-
-# ---- shared arguments ----------------------------------------------------------------------------
 def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options: bool = True,
                     count: int = 1, max_new_tokens: int = 128) -> None:
     g = p.add_argument_group("models")
@@ -66,10 +54,10 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
         e = p.add_argument_group("early-exit options (EarlyExitConfig)")
         e.add_argument("--threshold-scale", type=float, default=1.0, help="scale of the thresholds' distance from 1 "
                        "(> 1 = lower thresholds = more exits; default 1)")
-        e.add_argument("--offline-size", type=_nonneg, default=None,
+        e.add_argument("--offline-size", type=non_negative_int, default=None,
                        help="offline schedule: the bank's first N ranked layers (default: the bank's set)")
-        e.add_argument("--online-window", type=_nonneg, default=4, help="online schedule window (default 4)")
-        e.add_argument("--online-radius", type=_nonneg, default=1, help="online schedule radius (default 1)")
+        e.add_argument("--online-window", type=non_negative_int, default=4, help="online schedule window (default 4)")
+        e.add_argument("--online-radius", type=non_negative_int, default=1, help="online schedule radius (default 1)")
         e.add_argument("--max-pending", type=positive_int, default=8,
                        help="most carried rows / unverified tokens before a forced full-depth step (default 8)")
     o = p.add_argument_group("output")
@@ -78,8 +66,6 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
 
 
 def ee_options(args: argparse.Namespace) -> dict[str, Any]:
-    if not hasattr(args, "threshold_scale"):
-        return {}
     return {"threshold_scale": args.threshold_scale, "offline_size": args.offline_size,
             "online_window": args.online_window, "online_radius": args.online_radius,
             "max_pending": args.max_pending}
@@ -251,7 +237,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                    "exactly --max-new-tokens tokens (EOS ignored).")
     add_common_args(s, count=1, max_new_tokens=128)
     s.add_argument("--repeats", type=positive_int, default=3, help="timed runs per prompt; the median counts (default 3)")
-    s.add_argument("--warmup", type=_nonneg, default=1, help="untimed warm-up runs per configuration (default 1)")
+    s.add_argument("--warmup", type=non_negative_int, default=1, help="untimed warm-up runs per configuration (default 1)")
     s.add_argument("--policies", default="skip,propagate,recompute", help="KV policies to run in lossy mode")
     s.add_argument("--no-lossless", action="store_true", help="skip lossless mode")
     s.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -273,7 +259,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="text for perplexity (default: <shared>/data/text/wikitext2_test.txt)")
     q.add_argument("--mc-tasks", default="csqa,sst2,mmlu", help="multiple-choice tasks: csqa, sst2, mmlu")
     q.add_argument("--mc-items", type=positive_int, default=100, help="items per task (default 100)")
-    q.add_argument("--shots", type=_nonneg, default=3, help="few-shot exemplars (dropped if the context is short)")
+    q.add_argument("--shots", type=non_negative_int, default=3, help="few-shot exemplars (dropped if the context is short)")
     q.add_argument("--mmlu-subjects", default=None, help="MMLU subjects (default: all, round-robin)")
     q.set_defaults(func=cmd_quality)
 
@@ -293,7 +279,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--online-windows", default="0,1,2,4,8", help="online window sizes")
     w.add_argument("--grid", action="store_true", help="the full cross product instead of one-at-a-time sweeps")
     w.add_argument("--repeats", type=positive_int, default=1, help="timed runs per prompt and point (default 1)")
-    w.add_argument("--warmup", type=_nonneg, default=1, help="untimed warm-up runs (default 1)")
+    w.add_argument("--warmup", type=non_negative_int, default=1, help="untimed warm-up runs (default 1)")
     w.set_defaults(func=cmd_sweep)
     return p
 

@@ -160,12 +160,6 @@ def parse_list(value: str | None, kind=str) -> list | None:
 
 
 # ---- fitting prompts into the model ----------------------------------------------------------
-def context_limit(llm) -> int:
-    cfg = llm.model.cfg
-    return cfg.max_position_embeddings if cfg.sliding_window is None else min(cfg.max_position_embeddings,
-                                                                                cfg.sliding_window)
-
-
 def resolve_chat(llm, chat: str | bool) -> bool:
     """'auto' (or None): the chat template if the tokenizer has one; True/False force it."""
     if chat in ("auto", None):
@@ -180,7 +174,7 @@ def resolve_chat(llm, chat: str | bool) -> bool:
 def fit_prompt(llm, text: str, chat: bool, max_new_tokens: int) -> tuple[list[int], bool]:
     """Token ids of the prompt (chat-templated if `chat`), its user text shortened until prompt +
     max_new_tokens fits the context. Returns (ids, truncated)."""
-    limit = context_limit(llm)
+    limit = llm.model.cfg.context_limit
     if max_new_tokens + 2 > limit:
         raise BenchError(f"--max-new-tokens {max_new_tokens} does not fit the model's context of {limit} tokens")
     ids = llm.encode(text, chat=chat)
@@ -210,11 +204,8 @@ def use_config(llm, config) -> None:
         return
     cur = getattr(llm, "_bench_decoder", None)
     if cur is not None and (cur.config.draft, cur.config.bank, cur.config.k) == (config.draft, config.bank, config.k):
-        try:
-            llm.early_exit = type(cur)(llm.model, cur.drafter, cur.bank, config)
-            return
-        except TypeError:  # a decoder with another constructor: go through the public API
-            pass
+        llm.early_exit = type(cur)(llm.model, cur.drafter, cur.bank, config)
+        return
     llm.enable_early_exit(config)
     llm._bench_decoder = llm.early_exit
 
@@ -254,7 +245,7 @@ def cpu_name() -> str:
 
 
 def environment(llm=None, *, draft: str | None = None, drafter=None, bank: str | None = None,
-                argv: Sequence[str] | None = None, **extra: Any) -> dict[str, Any]:
+                argv: Sequence[str] | None = None) -> dict[str, Any]:
     """What a report ran on: models (+ fingerprints), drafter, bank, dtype, device, versions,
     threads, CPU/GPU, date, git commit and the command line."""
     import torch
@@ -301,9 +292,7 @@ def environment(llm=None, *, draft: str | None = None, drafter=None, bank: str |
         if bank is not None:
             where = str(Path(bank).resolve())
         else:
-            from ..engine.llm import default_cache_dir
-
-            where = str(default_cache_dir() / "banks" / f"{llm.fingerprint}-{dec.drafter.fingerprint}-k{dec.bank.k}")
+            where = str(llm.bank_cache_path(dec.drafter, dec.bank.k))
         b: dict[str, Any] = {"path": where, "calibrated_on_first_use": bank is None}
         if dec is not None:
             pb = dec.bank
@@ -312,7 +301,6 @@ def environment(llm=None, *, draft: str | None = None, drafter=None, bank: str |
                      target_fingerprint=getattr(pb, "target_fingerprint", None),
                      drafter_fingerprint=getattr(pb, "drafter_fingerprint", None))
         env["bank"] = b
-    env.update(extra)
     return env
 
 

@@ -62,24 +62,20 @@ def _summary(layers: torch.Tensor, L: int) -> dict[str, Any]:
 
 def run_oracle(llm, prompts: Sequence[Prompt], *, draft: str, k: int = 4, max_new_tokens: int = 128,
                chat: str | bool = "auto", show_progress: bool = True, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from ..sampling import SamplingParams
+    from .quality import full_depth_continuations
 
     drafter = llm.make_drafter(draft, k)
     L = llm.model.cfg.num_layers
     use_chat = resolve_chat(llm, chat)
-    saved, llm.early_exit = llm.early_exit, None
     rows: list[dict[str, torch.Tensor]] = []
     cats: list[str] = []
-    try:
-        for p in progress(prompts, enabled=show_progress, desc="oracle"):
-            ids, _ = fit_prompt(llm, p.text, use_chat, max_new_tokens)
-            cont = llm.generate(ids, SamplingParams(max_tokens=max_new_tokens))[0].token_ids
-            if not cont:
-                continue
-            rows.append(oracle_exit_layers(llm, drafter, ids, cont))
-            cats.append(p.category)
-    finally:
-        llm.early_exit = saved
+    for p in progress(prompts, enabled=show_progress, desc="oracle"):
+        ids, _ = fit_prompt(llm, p.text, use_chat, max_new_tokens)
+        cont = full_depth_continuations(llm, [ids], max_new_tokens)[0]
+        if not cont:
+            continue
+        rows.append(oracle_exit_layers(llm, drafter, ids, cont))
+        cats.append(p.category)
 
     def summarise(sel: list[int]) -> dict[str, Any]:
         if not sel:

@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 
-from .common import (BenchError, round_robin, Prompt, context_limit, environment, environment_md, fit_prompt, make_config,
+from ..engine.early_exit import KV_POLICIES, mean_layers_run
+from .common import (BenchError, round_robin, Prompt, environment, environment_md, fit_prompt, make_config,
                      mcnemar, md_table, progress, resolve_chat, shared_file, use_config, wilson)
 
 LETTERS = "ABCDEFGHIJ"
@@ -98,11 +99,10 @@ def agreement(llm, prompt_ids: Sequence[list[int]], continuations: Sequence[list
         c[0] += a
         c[1] += len(steps)
         per_prompt.append({"category": cat, "positions": len(steps), "agreement": a / len(steps)})
-    steps_total = sum(hist)
     return {
         "agreement": agree / n if n else None,
         "positions": n,
-        "mean_exit_layer": sum((i + 1) * c for i, c in enumerate(hist)) / steps_total if steps_total else None,
+        "mean_exit_layer": mean_layers_run(hist),
         "exit_rate": exited / n if n else None,
         "agreement_at_exits": agree_exited / exited if exited else None,
         "exit_histogram": hist,
@@ -129,7 +129,7 @@ def perplexity_windows(llm, token_ids: Sequence[int], tokens: int, window: int) 
     Each window is [BOS] + a chunk of the text (no BOS if the tokenizer has none); its first two
     tokens are the unscored context (early exit prefills all but the last prompt token, and a
     draft-model drafter needs at least one token before that), the rest are scored."""
-    window = min(window, context_limit(llm))
+    window = min(window, llm.model.cfg.context_limit)
     if window < 3:
         raise BenchError("--ppl-window must be at least 3")
     bos = llm.tokenizer.token_id(llm.tokenizer.bos_token)
@@ -183,7 +183,7 @@ def perplexity_early_exit(llm, windows, show_progress: bool = False) -> dict[str
             hist[s.exit_layer] += 1
     return {"perplexity": math.exp(-total / n), "mean_logprob": total / n, "tokens": n,
             "next_token_accuracy": right / n,
-            "mean_exit_layer": sum((i + 1) * c for i, c in enumerate(hist)) / n, "exit_histogram": hist}
+            "mean_exit_layer": mean_layers_run(hist), "exit_histogram": hist}
 
 
 # ---- (c) multiple choice -------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def encode_mc(llm, item: MCItem, sep: str = " ") -> tuple[list[int], list[int], 
     Candidates: encode prompt + sep + X for each letter X; the prompt is the common prefix of
     those encodings and each letter's candidate the token right after it (so tokenizers that
     split " A" into "▁" + "A" still give one answer token per letter)."""
-    limit = context_limit(llm)
+    limit = llm.model.cfg.context_limit
     for shots in range(len(item.shots), -1, -1):
         got = _answer_tokens(llm, mc_prompt(item, shots, sep), sep, len(item.options))
         if got is None:
@@ -351,9 +351,9 @@ def encode_mc(llm, item: MCItem, sep: str = " ") -> tuple[list[int], list[int], 
 
 
 @torch.inference_mode()
-def score_mc(llm, items: Sequence[MCItem], early_exit: bool = True, show_progress: bool = False,
+def score_mc(llm, items: Sequence[MCItem], show_progress: bool = False,
              desc: str = "multiple choice") -> dict[str, Any]:
-    """Accuracy of the full model and (if enabled) early exit on items; see the module doc."""
+    """Accuracy of the full model and of early exit on items; see the module doc."""
     L = llm.model.cfg.num_layers
     full_right: list[bool] = []
     ee_right: list[bool] = []
@@ -379,46 +379,43 @@ def score_mc(llm, items: Sequence[MCItem], early_exit: bool = True, show_progres
         full_logits = llm.model.logits(hs[-1, -1:]).float()[0]
         f_pred = int(full_logits[cand].argmax())
         full_right.append(f_pred == it.answer)
-        rec: dict[str, Any] = {"id": it.id, "gold": LETTERS[it.answer], "full": LETTERS[f_pred]}
-        if early_exit:
-            step = llm.teacher_forced(list(ids), [cands[it.answer]])[0]
-            e = step.exit_layer
-            hist[e] += 1
-            layer_logits = llm.model.logits(hs[e + 1, -1:]).float()[0]
-            e_pred = int(layer_logits[cand].argmax())
-            deviation = max(deviation, abs(float(torch.log_softmax(layer_logits, -1)[cands[it.answer]]) - step.logprob))
-            emitted += step.predicted == cands[e_pred]
-            ee_right.append(e_pred == it.answer)
-            changed += e_pred != f_pred
-            rec.update(early_exit=LETTERS[e_pred], exit_layer=e + 1)
-        per_item.append(rec)
+        step = llm.teacher_forced(list(ids), [cands[it.answer]])[0]
+        e = step.exit_layer
+        hist[e] += 1
+        layer_logits = llm.model.logits(hs[e + 1, -1:]).float()[0]
+        e_pred = int(layer_logits[cand].argmax())
+        deviation = max(deviation, abs(float(torch.log_softmax(layer_logits, -1)[cands[it.answer]]) - step.logprob))
+        emitted += step.predicted == cands[e_pred]
+        ee_right.append(e_pred == it.answer)
+        changed += e_pred != f_pred
+        per_item.append({"id": it.id, "gold": LETTERS[it.answer], "full": LETTERS[f_pred],
+                         "early_exit": LETTERS[e_pred], "exit_layer": e + 1})
     n = len(full_right)
     out: dict[str, Any] = {"items": n, "skipped_too_long": skipped, "skipped_tokenization": bad_tokens,
                            "answer_format": f"Answer:{sep}X",
                            "mean_shots": sum(shots_used) / len(shots_used) if shots_used else None}
     fc = sum(full_right)
     out["full"] = {"accuracy": fc / n if n else None, "correct": fc, "ci95": list(wilson(fc, n))}
-    if early_exit:
-        ec = sum(ee_right)
-        b = sum(f and not e for f, e in zip(full_right, ee_right))
-        c = sum(e and not f for f, e in zip(full_right, ee_right))
-        out["early_exit"] = {
-            "accuracy": ec / n if n else None, "correct": ec, "ci95": list(wilson(ec, n)),
-            "delta": (ec - fc) / n if n else None,
-            "answers_changed": changed, "full_right_ee_wrong": b, "full_wrong_ee_right": c,
-            "mcnemar_p": mcnemar(b, c),
-            "mean_exit_layer": sum((i + 1) * h for i, h in enumerate(hist)) / n if n else None,
-            "exit_histogram": hist,
-            "emitted_is_answer": emitted / n if n else None,
-            "max_logprob_deviation": deviation,
-        }
+    ec = sum(ee_right)
+    b = sum(f and not e for f, e in zip(full_right, ee_right))
+    c = sum(e and not f for f, e in zip(full_right, ee_right))
+    out["early_exit"] = {
+        "accuracy": ec / n if n else None, "correct": ec, "ci95": list(wilson(ec, n)),
+        "delta": (ec - fc) / n if n else None,
+        "answers_changed": changed, "full_right_ee_wrong": b, "full_wrong_ee_right": c,
+        "mcnemar_p": mcnemar(b, c),
+        "mean_exit_layer": mean_layers_run(hist),
+        "exit_histogram": hist,
+        "emitted_is_answer": emitted / n if n else None,
+        "max_logprob_deviation": deviation,
+    }
     out["per_item"] = per_item
     return out
 
 
 # ---- the whole benchmark ---------------------------------------------------------------------------
 def run_quality(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = None, k: int = 4,
-                policies: Sequence[str] = ("skip", "propagate", "recompute"), parts: Sequence[str] = ("agreement", "ppl", "mc"),
+                policies: Sequence[str] = KV_POLICIES, parts: Sequence[str] = ("agreement", "ppl", "mc"),
                 max_new_tokens: int = 128, chat: str | bool = "auto", ppl_tokens: int = 2048, ppl_window: int = 512,
                 ppl_file: str | Path | None = None, mc_tasks: Sequence[str] = MC_TASKS, mc_items: int = 100,
                 shots: int = 3, mmlu_subjects: Sequence[str] | None = None, shared=None,
@@ -449,7 +446,7 @@ def run_quality(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None 
             path = Path(ppl_file) if ppl_file else shared_file(shared, "data", "text", "wikitext2_test.txt",
                                                                what="WikiText-2 text")
             windows = perplexity_windows(llm, read_text_tokens(llm, path, ppl_tokens), ppl_tokens, ppl_window)
-            ppl = {"file": str(path), "window": min(ppl_window, context_limit(llm)), "windows": len(windows),
+            ppl = {"file": str(path), "window": min(ppl_window, llm.model.cfg.context_limit), "windows": len(windows),
                    "full": perplexity_full(llm, windows, show_progress), "early_exit": {}}
             for policy, cfg in configs.items():
                 use_config(llm, cfg)
@@ -463,12 +460,11 @@ def run_quality(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None 
                   "early exit uses the logit lens of the layer it exits at on the answer position", "tasks": {}}
             for task in mc_tasks:
                 items = load_mc_task(task, mc_items, shots, shared, mmlu_subjects)
-                mc["tasks"][task] = score_mc(llm, items, True, show_progress, desc=f"mc {task}")
+                mc["tasks"][task] = score_mc(llm, items, show_progress, desc=f"mc {task}")
             report["multiple_choice"] = mc
     finally:
         use_config(llm, None)
-    report["environment"] = environment(llm, draft=draft, drafter=getattr(getattr(llm, "_bench_decoder", None),
-                                                                          "drafter", None), bank=bank, argv=argv)
+    report["environment"] = environment(llm, draft=draft, bank=bank, argv=argv)
     report["settings"] = {"parts": list(parts), "policies": list(policies), "k": k, "max_new_tokens": max_new_tokens,
                           "ppl_tokens": ppl_tokens, "ppl_window": ppl_window, "mc_tasks": list(mc_tasks),
                           "mc_items": mc_items, "shots": shots, "early_exit_options": opts}

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.early_exit import KV_POLICIES as POLICIES
+from ..engine.early_exit import mean_layers_run
 from .common import (Prompt, environment, environment_md, fit_prompt, make_config, md_table, median, progress,
                      ratio, resolve_chat, sync, use_config)
-
-POLICIES = ("skip", "propagate", "recompute")
 
 
 @dataclass
@@ -56,10 +56,8 @@ def specee_run(llm, ids: list[int], max_new_tokens: int) -> Run:
     params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True)
     out = llm.generate(ids, params)[0]
     s = out.stats
-    ee = s.early_exit
-    n = len(out.token_ids)
-    return Run(n, s.prefill_seconds, s.decode_seconds, n if ee is not None else max(n - 1, 0),
-               list(out.token_ids), ee)
+    return Run(len(out.token_ids), s.prefill_seconds, s.decode_seconds, s.decode_tokens, list(out.token_ids),
+               s.early_exit)
 
 
 def load_hf_model(model_dir, device, dtype):
@@ -154,7 +152,7 @@ def _aggregate(runs: list[Run], per_run: list[list[Run]]) -> dict[str, Any]:
         out["exit_histogram"] = hist
         out["decode_steps"] = steps
         out["num_layers"] = L
-        out["mean_exit_layer"] = sum((i + 1) * c for i, c in enumerate(hist)) / steps if steps else float(L)
+        out["mean_exit_layer"] = mean_layers_run(hist) if steps else float(L)
         for key in ("predictor_calls", "exits_accepted", "exits_rejected", "forced_full_depth"):
             out[key] = sum(e.get(key, 0) for e in ees)
         weights = [rs[0].decode_seconds for rs in per_run if rs and rs[0].early_exit is not None]
@@ -191,7 +189,7 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
               max_new_tokens: int = 128, repeats: int = 3, warmup: int = 1,
               policies: Sequence[str] = POLICIES, lossless: bool = True, hf: bool = True,
               chat: str | bool = "auto", ee_options: dict[str, Any] | None = None, show_progress: bool = True,
-              hf_model=None, argv: Sequence[str] | None = None, oracle_layers: float | None = None) -> dict[str, Any]:
+              argv: Sequence[str] | None = None, oracle_layers: float | None = None) -> dict[str, Any]:
     """Measure every configuration on `prompts`; returns the report dict (see module doc).
     oracle_layers: the oracle's mean layers run (`specee bench oracle`), for the cost ceilings."""
     from .common import BenchError
@@ -204,7 +202,8 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
     use_chat = resolve_chat(llm, chat)
     fitted = [fit_prompt(llm, p.text, use_chat, max_new_tokens) for p in prompts]
     specs = config_specs(draft, bank, k, policies, lossless, hf, ee_options)
-    if hf and hf_model is None:
+    hf_model = None
+    if hf:
         if not show_progress:
             try:
                 from transformers.utils import logging as hf_logging
@@ -300,8 +299,7 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
         cost = cost_breakdown(results, layer_ms(llm.model, fitted[0][0]), llm.model.cfg.num_layers, oracle_layers)
     return {
         "benchmark": "speed",
-        "environment": environment(llm, draft=draft, drafter=getattr(getattr(llm, "_bench_decoder", None), "drafter", None),
-                                   bank=bank, argv=argv),
+        "environment": environment(llm, draft=draft, bank=bank, argv=argv),
         "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup, "batch_size": 1,
                      "greedy": True, "ignore_eos": True, "chat_template": use_chat, "k": k,
                      "policies": list(policies), "lossless": lossless, "transformers_baseline": hf,

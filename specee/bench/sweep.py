@@ -25,6 +25,7 @@ from typing import Any
 
 from .common import (BenchError, Prompt, environment, environment_md, fit_prompt, make_config, md_table, median,
                      progress, ratio, resolve_chat, use_config)
+from ..engine.early_exit import mean_layers_run
 from .quality import agreement, full_depth_continuations
 from .speed import specee_run
 
@@ -47,8 +48,7 @@ def _time_config(llm, fitted: list[list[int]], max_new_tokens: int, repeats: int
     out = {"tokens_per_second": tokens / seconds if seconds else None,
            "decode_tokens_per_second": dtok / dsec if dsec else None}
     if hist is not None:
-        steps = sum(hist)
-        out["mean_exit_layer"] = sum((i + 1) * c for i, c in enumerate(hist)) / steps if steps else None
+        out["mean_exit_layer"] = mean_layers_run(hist)
         out["exit_histogram"] = hist
     return out
 
@@ -133,8 +133,7 @@ def run_sweep(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
         raise BenchError("every sweep point failed: " + points[0]["error"])
     return {
         "benchmark": "sweep",
-        "environment": environment(llm, draft=draft, drafter=getattr(getattr(llm, "_bench_decoder", None), "drafter", None),
-                                   bank=bank, argv=argv),
+        "environment": environment(llm, draft=draft, bank=bank, argv=argv),
         "settings": {"kv_policy": policy, "k": k, "max_new_tokens": max_new_tokens, "repeats": repeats,
                      "warmup": warmup, "grid": grid, "prompts": len(prompts), "chat_template": use_chat,
                      "scales": list(scales), "offline_sizes": list(offline_sizes),

@@ -54,8 +54,7 @@ class DraftModelDrafter(Drafter):
         self.vocab_limit = limit
         self._full_head = self.model.lm_head_weight[:limit]  # a view: rows the target can emit
         self._head, self._head_ids = self._full_head, None  # the rows scored; their token ids (None = all)
-        self.context = cfg.max_position_embeddings if cfg.sliding_window is None else min(
-            cfg.max_position_embeddings, cfg.sliding_window)
+        self.context = cfg.context_limit
         self._cache = self.model.new_cache(1, max(1, min(max_len, self.context)))
         self._history: list[int] = []
         self._offset = 0  # history index of cache slot 0 (> 0 only past the draft's context)

@@ -79,6 +79,12 @@ class EarlyExitConfig:
         return [1.0 - (1.0 - t) * self.threshold_scale if t != float("inf") else t for t in bank.thresholds]
 
 
+def mean_layers_run(histogram: list[int]) -> float | None:
+    """Mean layers run per step from an exit histogram (entry i: steps that left after layer i)."""
+    steps = sum(histogram)
+    return sum((i + 1) * c for i, c in enumerate(histogram)) / steps if steps else None
+
+
 @dataclass
 class ExitStats:
     num_layers: int
@@ -102,11 +108,10 @@ class ExitStats:
 
     def as_dict(self, decode_seconds: float, lossless: bool) -> dict:
         steps = sum(self.exit_histogram)
-        layers_run = sum((i + 1) * c for i, c in enumerate(self.exit_histogram))
         share = (lambda s: round(s / decode_seconds, 4) if decode_seconds > 0 else 0.0)
         d = {
             "decode_steps": steps,
-            "mean_exit_layer": round(layers_run / steps, 3) if steps else float(self.num_layers),
+            "mean_exit_layer": round(mean_layers_run(self.exit_histogram), 3) if steps else float(self.num_layers),
             "num_layers": self.num_layers,
             "exit_histogram": list(self.exit_histogram),
             "predictor_calls": self.predictor_calls,

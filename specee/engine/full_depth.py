@@ -25,9 +25,7 @@ def check_fits(model: Transformer, prompt_len: int, max_tokens: int) -> int:
     if prompt_len == 0:
         raise ValueError("empty prompt: at least one token is needed")
     needed = prompt_len + max_tokens
-    limit = model.cfg.max_position_embeddings
-    if model.cfg.sliding_window is not None:
-        limit = min(limit, model.cfg.sliding_window)
+    limit = model.cfg.context_limit
     if needed > limit:
         raise ContextLengthError(
             f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {needed} exceeds the model's "

@@ -104,10 +104,14 @@ class LLM:
         drafter.restrict_vocab(bank.draft_vocab)  # the shortlist the predictors were calibrated with
         self.early_exit = EarlyExitDecoder(self.model, drafter, bank.to(self.model.device, self.model.dtype), config)
 
+    def bank_cache_path(self, drafter: Drafter, k: int) -> Path:
+        """Where the bank for this target + drafter + k is cached; the suffix names the calibration
+        recipe, so banks cached by an older recipe are not reused."""
+        return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{BANK_RECIPE}"
+
     def cached_bank(self, drafter: Drafter, k: int) -> PredictorBank:
         """The bank for this target + drafter from the user's cache, calibrating it on first use."""
-        # the suffix names the calibration recipe: banks cached by an older recipe are not reused
-        path = default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{BANK_RECIPE}"
+        path = self.bank_cache_path(drafter, k)
         if (path / "manifest.json").exists():
             return PredictorBank.load(path, expect_target=self.fingerprint, expect_drafter=drafter.fingerprint,
                                       num_layers=self.model.cfg.num_layers)
