@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..model.llama import StepInputs, Transformer
+from ..model.llama import Transformer
 from ..model.weights import fingerprint_weights
 from ..tokenizer import Tokenizer
 from .base import Drafter, check_same_tokenizer
@@ -86,22 +86,11 @@ class DraftModelDrafter(Drafter):
             S = len(tokens)
         n = self._n
         self._ensure_capacity(n + S)
-        model, cache = self.model, self._cache
-        slots = model.slot_ids[n : n + S]
-        D = model.cfg.head_dim
-        cos = model.cos_table[n : n + S].view(1, S, 1, D)
-        sin = model.sin_table[n : n + S].view(1, S, 1, D)
-        mask = None
-        if S > 1:
-            mask = (model.slot_ids[: n + S][None, :] <= slots[:, None]).view(1, 1, S, n + S)
-        step = StepInputs(slots=slots, cos=cos, sin=sin, mask=mask, kv_len=n + S)
-        ids = torch.tensor([tokens], device=self.device)
-        h = model.embed(ids)
-        for i in range(model.cfg.num_layers):
-            h = model.layer(i, h, step, cache)
+        model = self.model
+        h = model.forward(torch.tensor([tokens], device=self.device), model.range_inputs(n, S), self._cache)
         self._topk = self._top_k(model.norm(h[0, -1:]))[0]
         self._n = n + S
-        cache.length = self._n
+        self._cache.length = self._n
 
     def _top_k(self, normed: torch.Tensor) -> torch.Tensor:
         """Token ids of the k best-scored head rows for final-normed hidden states [N, H]: [N, k]."""
@@ -183,13 +172,6 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"{len(ids) - 1} tokens exceed the draft model's context of {self.context}")
         model = self.model
         S = len(ids) - 1
-        cache = model.new_cache(1, S)
-        slots = model.slot_ids[:S]
-        mask = (slots[None, :] <= slots[:, None]).view(1, 1, S, S)
-        step = model.step_inputs(slots[None, :], slots, mask, S)
-        h = model.forward(torch.tensor([ids[:-1]], device=self.device), step, cache)[0, start - 1:]
+        h = model.forward(torch.tensor([ids[:-1]], device=self.device), model.range_inputs(0, S),
+                          model.new_cache(1, S))[0, start - 1:]
         return self._top_k(model.norm(h))
-
-    def teacher_forced_top_k_batch(self, seqs: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
-        """`teacher_forced_top_k` for several sequences (one forward each; the draft is small)."""
-        return [self.teacher_forced_top_k(ids, s) for ids, s in zip(seqs, starts)]

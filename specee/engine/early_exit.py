@@ -88,7 +88,7 @@ def mean_layers_run(histogram: list[int]) -> float | None:
 @dataclass
 class ExitStats:
     num_layers: int
-    exit_histogram: list[int] = field(default_factory=list)  # decode steps per layer left at (last = full)
+    exit_histogram: list[int] = field(init=False)  # decode steps per layer left at (last = full)
     predictor_calls: int = 0
     exits_accepted: int = 0
     exits_rejected: int = 0  # predictor fired, but the layer's argmax was not a speculative token
@@ -249,7 +249,6 @@ class DecodeRun:
         if len(seq.prompt_ids) > 1:
             prefill(model, self.cache, [seq.prompt_ids[:-1]])
         self.dec.drafter.reset(seq.prompt_ids)
-        self.drafted = len(seq.prompt_ids)  # history tokens the drafter has consumed
         t1 = time.perf_counter()
         while True:
             if self.done():
@@ -272,10 +271,10 @@ class DecodeRun:
         token = self.history[-1]
 
         t = time.perf_counter()
-        if self.drafted < len(self.history):
-            self.dec.drafter.extend(self.history[self.drafted:])
-            self.drafted = len(self.history)
-        spec = self.dec.drafter.propose()
+        drafter = self.dec.drafter
+        if len(drafter.history) < len(self.history):  # the drafter lags by the tokens emitted since
+            drafter.extend(self.history[len(drafter.history):])
+        spec = drafter.propose()
         rows = spec_rows(model, spec)
         stats.drafter_seconds += time.perf_counter() - t
 
@@ -335,7 +334,8 @@ class DecodeRun:
 
         stats.exit_histogram[exit_layer] += 1
         self.scheduler.record(exit_layer)
-        cache.filled[: exit_layer + 1, 0, n] = True
+        if self.policy != "skip":  # skip marked every layer of slot n above
+            cache.filled[: exit_layer + 1, 0, n] = True
         if exit_layer < L - 1:
             self.after_exit(exit_layer, h, active, step_in)
             if self.teacher is not None:
@@ -344,7 +344,8 @@ class DecodeRun:
             return
         # full depth: every carried row joined (resume layers are <= L-1) and completed
         self.pending = []
-        cache.filled[:, 0, active[:-1]] = True
+        if len(active) > 1:
+            cache.filled[:, 0, active[0]:n] = True
         if self.lossless:
             final_logits = model.logits(h[0])  # [rows, V]: the carried rows verify what they emitted
             stats.deep_passes += len(active) > 1
@@ -376,13 +377,8 @@ class DecodeRun:
 
     def step_inputs(self, active: list[int]):
         """Inputs for rows at `active` slots: causal over slots (no holes under propagate/recompute)."""
-        n = active[-1]
-        ids = self.model.slot_ids
-        slots = ids[n:n + 1] if len(active) == 1 else torch.tensor(active, device=self.model.device)
-        mask = None
-        if len(active) > 1:
-            mask = (ids[: n + 1][None, :] <= slots[:, None])[None, None]
-        return self.model.step_inputs(slots[None, :], slots, mask, n + 1)
+        assert active[-1] - active[0] + 1 == len(active), "active rows are a contiguous run of slots"
+        return self.model.range_inputs(active[0], len(active))
 
     def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in) -> None:
         """Fill (or don't) the layers the exited rows skipped, per the KV policy."""
@@ -393,10 +389,9 @@ class DecodeRun:
         elif self.policy == "propagate":
             for j in range(e + 1, L):
                 model.project_kv(j, h, step_in, cache)
-            cache.filled[:, 0, active] = True
+            cache.filled[:, 0, active[0]:n + 1] = True
         else:  # recompute: every row of this step resumes at e + 1
-            for slot in active[:-1]:
-                cache.filled[: e + 1, 0, slot] = True
+            cache.filled[: e + 1, 0, active[0]:n] = True
             carried = [Pending(slot, e + 1, h[:, j:j + 1]) for j, slot in enumerate(active)]
             self.pending = [p for p in self.pending if p.slot not in active] + carried
 
@@ -448,7 +443,6 @@ class DecodeRun:
         self.pending.clear()
         self.cache.truncate(pos)
         self.dec.drafter.truncate(pos)
-        self.drafted = pos
         self.emit(replacement)
 
     def flush(self) -> bool:
@@ -466,7 +460,7 @@ class DecodeRun:
                 h, active = self.join(waiting, i, h, active)
                 step_in = self.step_inputs(active)
             h = model.layer(i, h, step_in, cache)
-        cache.filled[:, 0, active] = True
+        cache.filled[:, 0, active[0]:active[-1] + 1] = True
         self.pending = []
         ok = self.verify(active, model.logits(h[0]), at_bound=True)
         return not ok and not self.seq.finished

@@ -1,8 +1,7 @@
 """The layer-granular runtime for Llama-family decoders (Llama 2/3, Mistral, Qwen2, SmolLM).
 
 Every piece a decode loop needs is a separate call so that early exit can stop between
-layers: `embed`, `layer(i, ...)`, `norm`, `lm_head`, and `lm_head_rows` (logits for a few
-vocabulary rows only: the speculative tokens' k dot products).
+layers: `embed`, `layer(i, ...)`, `norm` and `lm_head`.
 """
 from __future__ import annotations
 
@@ -109,6 +108,16 @@ class Transformer:
         sin = self.sin_table[positions].unsqueeze(2)
         return StepInputs(slots=slots, cos=cos, sin=sin, mask=mask, kv_len=kv_len)
 
+    def range_inputs(self, start: int, count: int) -> StepInputs:
+        """Inputs for `count` rows of one unpadded sequence at slots (= positions) start..start+count-1,
+        each reading the slots up to its own: RoPE rows are views of the tables, not gathers."""
+        end = start + count
+        slots = self.slot_ids[start:end]
+        D = self.cfg.head_dim
+        mask = None if count == 1 else (self.slot_ids[:end][None, :] <= slots[:, None]).view(1, 1, count, end)
+        return StepInputs(slots=slots, cos=self.cos_table[start:end].view(1, count, 1, D),
+                          sin=self.sin_table[start:end].view(1, count, 1, D), mask=mask, kv_len=end)
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embedding)
 
@@ -152,11 +161,6 @@ class Transformer:
     def lm_head(self, h_normed: torch.Tensor) -> torch.Tensor:
         return F.linear(h_normed, self.lm_head_weight)
 
-    def lm_head_rows(self, h_normed: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of only `token_ids` ([B, k]) for hidden states [B, H]: k dot products per row."""
-        rows = self.lm_head_weight[token_ids]  # [B, k, H]
-        return torch.bmm(rows, h_normed.unsqueeze(-1)).squeeze(-1)
-
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
@@ -174,9 +178,7 @@ class Transformer:
         (index 0 = embeddings, index i + 1 = output of layer i). For calibration and the logit lens."""
         S = len(token_ids)
         cache = self.new_cache(1, S)
-        slots = self.slot_ids[:S]
-        cache.filled[:, :, :S] = True
-        step = self.step_inputs(slots[None, :], slots, cache.attention_mask(0, slots, S), S)
+        step = self.range_inputs(0, S)
         h = self.embed(torch.tensor([token_ids], device=self.device))
         out = [h[0]]
         for i in range(self.cfg.num_layers):
