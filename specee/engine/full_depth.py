@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from ..model.kv_cache import KVCache
-from ..model.llama import Transformer
+from ..model.llama import StepInputs, Transformer
 from ..sampling import sample
 from .sequence import Sequence
 
@@ -35,6 +35,12 @@ def check_fits(model: Transformer, prompt_len: int, max_tokens: int) -> int:
 
 def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
     """Run left-padded prompts through every layer; return the last position's hidden state [B, H]."""
+    return model.forward(*prefill_inputs(model, cache, prompts), cache)[:, -1]
+
+
+def prefill_inputs(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> tuple[torch.Tensor, StepInputs]:
+    """Left-pad prompts into one batch: token ids [B, W] and their step inputs; marks the
+    non-padding slots filled in `cache` (padding is never read)."""
     device = model.device
     width = max(len(p) for p in prompts)
     pads = torch.tensor([width - len(p) for p in prompts], device=device)
@@ -43,8 +49,7 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> tor
     positions = (slots[None, :] - pads[:, None]).clamp(min=0)
     cache.filled[:, :, :width] = slots[None, :] >= pads[:, None]
     cache.length = width
-    step = model.step_inputs(positions, slots, cache.attention_mask(0, slots, width), width)
-    return model.forward(ids, step, cache)[:, -1]
+    return ids, model.step_inputs(positions, slots, cache.attention_mask(0, slots, width), width)
 
 
 def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,

@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..drafters.base import frequency_shortlist
-from ..engine.full_depth import check_fits, decode_step, prefill
+from ..engine.full_depth import check_fits, decode_step, prefill, prefill_inputs
 from ..model.weights import fingerprint_weights
 from .bank import PredictorBank
-from .features import exit_features
+from .features import exit_features, spec_rows
 
 DEFAULT_TARGET_PRECISION = 0.97
 UNKNOWN_TARGET = "unknown"  # the fingerprint of a bank calibrated without target_dir/target_fingerprint
@@ -199,19 +199,13 @@ def _record(model, drafter, seqs: list[list[int]], starts: list[int], batches: l
             continue
         inputs = [seqs[i][:-1] for i in use]
         W = max(len(x) for x in inputs)
-        pads = torch.tensor([W - len(x) for x in inputs], device=dev)
-        ids = torch.tensor([[0] * (W - len(x)) + x for x in inputs], device=dev)
-        slots = torch.arange(W, device=dev)
-        positions = (slots[None, :] - pads[:, None]).clamp(min=0)
         cache = model.new_cache(len(inputs), W)
-        cache.filled[:, :, :W] = slots[None, :] >= pads[:, None]
-        cache.length = W
-        step = model.step_inputs(positions, slots, cache.attention_mask(0, slots, W), W)
+        ids, step = prefill_inputs(model, cache, inputs)
         # rows whose next token is a decoded one: input indices start-1 .. len-2 of each sequence
-        sel = torch.cat([r * W + int(pads[r]) + torch.arange(starts[i] - 1, len(seqs[i]) - 1, device=dev)
+        sel = torch.cat([r * W + (W - len(inputs[r])) + torch.arange(starts[i] - 1, len(seqs[i]) - 1, device=dev)
                          for r, i in enumerate(use)])
         spec = torch.cat([drafter.teacher_forced_top_k(seqs[i], starts[i]).to(dev) for i in use])  # [N, k]
-        rows = head[spec]  # [N, k, H]
+        rows = spec_rows(model, spec)  # [N, k, H]
         h = model.embed(ids)
         h_prev = h.reshape(-1, H)[sel]
         f_b, top_b = [], []
