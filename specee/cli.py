@@ -13,6 +13,7 @@ Layout, so that more subcommands and flags slot in without touching the others:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -21,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 PROG = "specee"
-DEFAULT_MODEL = Path("../shared/models/ref-target-24L")
+DEFAULT_MODEL = Path("../shared/models/smollm2-135m-instruct")  # SmolLM2-135M-Instruct, a GGUF file
+REFERENCE_MODEL = "ref-target-24L"  # the project's reference target: ref-draft-4L is its default drafter
+MAX_K = 64  # speculative tokens per step: SpecEE uses 4; features and predictors grow with k
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 EXIT_USAGE = 2  # bad arguments or a library error (argparse uses 2 as well)
@@ -37,16 +40,19 @@ def default_model_candidates() -> list[Path]:
     return [Path.cwd() / DEFAULT_MODEL, REPO_ROOT / DEFAULT_MODEL]
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
+    """The checkpoint directory or .gguf file --model names (a path or a hub id), or the default model."""
+    from .model.resolve import resolve_model
+
     if model is not None:
-        return Path(model).expanduser()
+        return resolve_model(model, revision)
     candidates = default_model_candidates()
     for path in candidates:
         if path.is_dir():
-            return path.resolve()
+            return resolve_model(path.resolve())
     looked = ", ".join(str(p) for p in dict.fromkeys(candidates))
     raise CLIError(f"no --model given and the default model {DEFAULT_MODEL} was not found (looked in {looked}); "
-                   "pass --model DIR, a Hugging Face checkpoint directory")
+                   "pass --model PATH (a checkpoint directory or .gguf file) or a Hugging Face hub id")
 
 
 def device_arg(value: str) -> str:
@@ -58,9 +64,12 @@ def device_arg(value: str) -> str:
 def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True) -> None:
     """--model, plus --device and --dtype when the command runs the model."""
     g = parser.add_argument_group("model")
-    g.add_argument("--model", metavar="DIR", default=None,
-                   help=f"Hugging Face checkpoint directory (default: {DEFAULT_MODEL}, looked up relative to "
-                        "the current directory and to the specee repository root)")
+    g.add_argument("--model", metavar="PATH|ID", default=None,
+                   help="a Hugging Face checkpoint directory, a .gguf file (or a directory holding one), or a hub "
+                        f"id such as HuggingFaceTB/SmolLM2-135M-Instruct (default: {DEFAULT_MODEL}, looked up "
+                        "relative to the current directory and to the specee repository root)")
+    g.add_argument("--revision", metavar="REV", default=None,
+                   help="branch, tag or commit of a hub id (default: main)")
     if runtime:
         g.add_argument("--device", type=device_arg, default="cpu", metavar="{cpu,cuda}",
                        help="where to run (default: cpu; cuda:N picks a GPU)")
@@ -84,6 +93,15 @@ def positive_int(value: str) -> int:
 
 def non_negative_int(value: str) -> int:
     return _int_at_least(value, 0, "non-negative")
+
+
+def speculative_k(value: str) -> int:
+    """--k: checked here, before a model loads or a calibration starts (a huge k would fail minutes later)."""
+    k = _int_at_least(value, 1, "positive")
+    if k > MAX_K:
+        raise argparse.ArgumentTypeError(f"--k {k} is too large: at most {MAX_K} speculative tokens per step "
+                                         "(SpecEE uses 4)")
+    return k
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -112,9 +130,9 @@ DEFAULT_DRAFT = Path("../shared/models/ref-draft-4L")
 def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("early exit (SpecEE)")
     g.add_argument("--draft", metavar="DIR|ngram", default=None,
-                   help="drafter for the speculative tokens: a draft model directory sharing the target's "
-                        "tokenizer, or 'ngram' (training-free prompt lookup). Default: ref-draft-4L for the "
-                        "default reference model; without a drafter, decoding runs at full depth")
+                   help="drafter for the speculative tokens: a draft model (directory or .gguf) sharing the "
+                        "target's tokenizer, or 'ngram' (training-free prompt lookup). Default: ref-draft-4L for "
+                        "the reference model ref-target-24L; without a drafter, decoding runs at full depth")
     g.add_argument("--bank", metavar="DIR", default=None,
                    help="predictor bank from `specee calibrate` (default: calibrate once and cache it under "
                         "~/.cache/specee, or $SPECEE_CACHE)")
@@ -124,7 +142,7 @@ def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
                         "output identical to full depth (default: lossy)")
     g.add_argument("--kv-policy", choices=("skip", "propagate", "recompute"), default="recompute",
                    help="how the KV entries of skipped layers are filled (default: recompute, exact)")
-    g.add_argument("--k", type=positive_int, default=4, help="speculative tokens per step (default: 4)")
+    g.add_argument("--k", type=speculative_k, default=4, help=f"speculative tokens per step, 1-{MAX_K} (default: 4)")
     g.add_argument("--threshold-scale", type=float, default=1.0, metavar="S",
                    help="scale the bank's thresholds' distance from 1: > 1 exits more, < 1 less (default: 1)")
     g.add_argument("--max-pending", type=positive_int, default=8, metavar="N",
@@ -136,11 +154,11 @@ def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
 
 
 def default_draft(model_dir: Path) -> Path | None:
-    """The reference draft, when the target is the shipped reference model."""
-    for candidate in default_model_candidates():
-        if candidate.is_dir() and candidate.resolve() == model_dir.resolve():
-            draft = candidate.parent / DEFAULT_DRAFT.name
-            return draft if draft.is_dir() else None
+    """The reference draft, when the target is the project's reference model (other models run at full
+    depth unless --draft is given: on SmolLM2 early exit measured slower than full depth)."""
+    if model_dir.is_dir() and model_dir.name == REFERENCE_MODEL:
+        draft = model_dir.parent / DEFAULT_DRAFT.name
+        return draft if draft.is_dir() else None
     return None
 
 
@@ -166,7 +184,7 @@ def load_llm(args: argparse.Namespace):
 
     from .engine.llm import LLM
 
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model_dir(args.model, args.revision)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}); use --device cpu")
     config = early_exit_config(args, model_dir) if hasattr(args, "no_exit") else None
@@ -309,14 +327,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
+        reply = []
         try:
             ids = llm.tokenizer.encode_chat(messages)
-            for delta in llm.stream(ids, params):
-                write_out(delta)
+            with contextlib.closing(llm.stream(ids, params)) as stream:  # closing it stops the decode
+                for delta in stream:
+                    reply.append(delta)
+                    write_out(delta)
         except ValueError as e:  # e.g. the conversation outgrew the context: keep the session going
             messages.pop()
             write_out("\n")
-            print(f"{PROG}: error: {e} (/reset starts a new conversation)", file=sys.stderr)
+            print(f"{PROG}: error: {cli_wording(str(e))} (/reset starts a new conversation)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops this reply; the conversation goes on with what was said
+            write_out("\n")
+            note("reply interrupted (Ctrl-C again at the prompt, /exit or end of input quits)")
+            messages.append({"role": "assistant", "content": "".join(reply)})
             continue
         write_out("\n")
         out = llm.last_output
@@ -338,14 +364,12 @@ def add_info_parser(sub) -> argparse.ArgumentParser:
 
 def count_parameters(model_dir: Path) -> tuple[int, int]:
     """(parameter count, bytes on disk) from the safetensors headers, without reading tensor data."""
-    from safetensors import safe_open
-
-    from .model.weights import find_weight_files
+    from .model.weights import find_weight_files, open_safetensors
 
     count = size = 0
     for file in find_weight_files(model_dir):
         size += file.stat().st_size
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 n = 1
                 for d in f.get_slice(name).get_shape():
@@ -354,16 +378,33 @@ def count_parameters(model_dir: Path) -> tuple[int, int]:
     return count, size
 
 
+def gguf_summary(path: Path):
+    """(config, parameter count, bytes, tokenizer vocabulary, has a chat template) from a GGUF's header."""
+    from .model.gguf import check_tensor_types, config_from_gguf, open_gguf
+
+    reader = open_gguf(path)
+    cfg = config_from_gguf(reader, path)
+    check_tensor_types(reader, path)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return (cfg, sum(int(t.n_elements) for t in reader.tensors), path.stat().st_size,
+            None if tokens is None else len(tokens.data), "tokenizer.chat_template" in reader.fields)
+
+
 def model_info(model_dir: Path) -> dict[str, Any]:
     from .model.config import ModelConfig
+    from .model.resolve import is_gguf
     from .tokenizer import Tokenizer
 
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model directory not found: {model_dir}")
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
-    cfg = ModelConfig.from_file(model_dir / "config.json")
-    params, size = count_parameters(model_dir)
+    if is_gguf(model_dir):
+        cfg, params, size, vocab, template = gguf_summary(model_dir)
+    else:
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+        params, size = count_parameters(model_dir)
+        try:
+            tok = Tokenizer(model_dir)
+            vocab, template = tok.vocab_size, tok.chat_template is not None
+        except FileNotFoundError:
+            vocab, template = None, False
     info: dict[str, Any] = {
         "model": str(model_dir),
         "architecture": cfg.architecture,
@@ -384,19 +425,14 @@ def model_info(model_dir: Path) -> dict[str, Any]:
         "parameters": params,
         "weights_bytes": size,
         "eos_token_ids": list(cfg.eos_token_ids),
+        "tokenizer_vocab": vocab,
+        "chat_template": template,
     }
-    try:
-        tok = Tokenizer(model_dir)
-        info["tokenizer_vocab"] = tok.vocab_size
-        info["chat_template"] = tok.chat_template is not None
-    except FileNotFoundError:
-        info["tokenizer_vocab"] = None
-        info["chat_template"] = False
     return info
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    info = model_info(resolve_model_dir(args.model))
+    info = model_info(resolve_model_dir(args.model, args.revision))
     if args.json:
         print(json.dumps(info))
         return 0
@@ -434,7 +470,7 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
                                    "on held-out data and the offline layer set; save the bank to -o.")
     add_model_args(p)
     p.add_argument("--draft", metavar="DIR|ngram", default=None,
-                   help="drafter (default: ref-draft-4L for the default reference model)")
+                   help="drafter: a draft model (directory or .gguf) or 'ngram' (default: ref-draft-4L for ref-target-24L)")
     p.add_argument("--data", metavar="PATH", default=None,
                    help="calibration prompts: a file (alpaca .json or .jsonl with text/instruction) or a "
                         "directory of them (default: ../shared/data/calibration)")
@@ -443,7 +479,7 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
                    help="use at most N prompts (default: 96, which takes 1-2 minutes for the reference pair on a 2-core CPU)")
     p.add_argument("--max-new-tokens", type=positive_int, default=96, metavar="N",
                    help="tokens the target generates per prompt to calibrate on (default: 96)")
-    p.add_argument("--k", type=positive_int, default=4, help="speculative tokens per step (default: 4)")
+    p.add_argument("--k", type=speculative_k, default=4, help=f"speculative tokens per step, 1-{MAX_K} (default: 4)")
     p.add_argument("--offline-size", type=positive_int, default=None, metavar="N",
                    help="size of the offline layer set (default: a quarter of the layers)")
     p.add_argument("--draft-vocab", type=non_negative_int, default=None, metavar="N",
@@ -478,6 +514,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 # ---- entry point ---------------------------------------------------------------------------
+LIBRARY_NAMES = {"max_tokens": "--max-new-tokens", "top_k": "--top-k", "top_p": "--top-p"}
+
+
+def cli_wording(message: str) -> str:
+    """A library message as the CLI user reads it: SamplingParams field names become the flags they typed."""
+    import re
+
+    message = message.replace("max_tokens (max_new_tokens)", "max_tokens")
+    return re.sub(r"\b(" + "|".join(LIBRARY_NAMES) + r")\b", lambda m: LIBRARY_NAMES[m.group(1)], message)
+
+
+
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser as add
 
@@ -513,9 +561,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
-    except (CLIError, ValueError, OSError) as e:
+    except (CLIError, ValueError, OSError, ImportError) as e:
         sys.stdout.flush()
-        message = " ".join(str(e).split()) or type(e).__name__
+        message = cli_wording(" ".join(str(e).split()) or type(e).__name__)
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli import DTYPE_CHOICES, device_arg, non_negative_int, positive_int
+from ..cli import DTYPE_CHOICES, device_arg, non_negative_int, positive_int, speculative_k
 from .common import (DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, load_prompts, parse_list, write_json,
                      write_text)
 
@@ -21,16 +21,17 @@ from .common import (DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, loa
 def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options: bool = True,
                     count: int = 1, max_new_tokens: int = 128) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--model", metavar="DIR", default=None,
-                   help="target checkpoint (default: <shared>/models/ref-target-24L)")
-    g.add_argument("--draft", metavar="DIR|ngram", default=None,
-                   help="drafter: a draft model directory or 'ngram' (default with the default --model: "
+    g.add_argument("--model", metavar="PATH|ID", default=None,
+                   help="target: a checkpoint directory, a .gguf file (or a directory holding one), or a hub id "
+                        "(default: <shared>/models/ref-target-24L)")
+    g.add_argument("--draft", metavar="PATH|ngram", default=None,
+                   help="drafter: a draft model (directory or .gguf) or 'ngram' (default with the default --model: "
                         "<shared>/models/ref-draft-4L; required with --model)")
     if bank:
         g.add_argument("--bank", metavar="DIR", default=None,
                        help="predictor bank directory (default: calibrate once and cache under ~/.cache/specee, "
                             "or $SPECEE_CACHE)")
-    g.add_argument("--k", type=positive_int, default=4, help="speculative tokens per step (default: 4)")
+    g.add_argument("--k", type=speculative_k, default=4, help="speculative tokens per step (default: 4)")
     g.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
@@ -72,7 +73,10 @@ def ee_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[Path, str]:
-    """(target dir, drafter) from --model/--draft, defaulting to the reference pair in ../shared."""
+    """(target checkpoint directory or .gguf file, drafter) from --model/--draft, defaulting to the
+    reference pair in ../shared."""
+    from ..model.resolve import resolve_model
+
     shared = find_shared(args.shared)
     if args.model is None:
         if shared is None:
@@ -81,16 +85,15 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, str]:
         model = shared.joinpath(*DEFAULT_TARGET)
         draft = args.draft or str(shared.joinpath(*DEFAULT_DRAFT))
     else:
-        model = Path(args.model).expanduser()
+        model = args.model
         if args.draft is None:
             raise BenchError("--draft is required with --model: a draft model directory sharing the target's "
                              "tokenizer, or 'ngram'")
         draft = args.draft
-    if not model.is_dir():
-        raise BenchError(f"model directory not found: {model}")
-    if draft != "ngram" and not Path(draft).expanduser().is_dir():
-        raise BenchError(f"draft model directory not found: {draft} (or use --draft ngram)")
-    return model, (draft if draft == "ngram" else str(Path(draft).expanduser()))
+    model = resolve_model(model)
+    if draft != "ngram":
+        draft = str(resolve_model(draft, what="draft model"))
+    return model, draft
 
 
 def load_target(args: argparse.Namespace, model: Path):

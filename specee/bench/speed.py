@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..engine.early_exit import KV_POLICIES as POLICIES
@@ -68,7 +69,11 @@ def load_hf_model(model_dir, device, dtype):
         from .common import BenchError
 
         raise BenchError("the transformers baseline needs `pip install transformers` (or pass --no-hf)") from e
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    path = Path(model_dir)
+    if path.suffix.lower() == ".gguf":  # transformers dequantizes the same file
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     # Decode exactly N tokens the way specee's ignore_eos does: EOS may be chosen and decoding
     # goes on. (min_new_tokens would instead forbid EOS, changing the greedy stream wherever EOS
     # is the top token; transformers refills an unset eos_token_id from these two configs.)
