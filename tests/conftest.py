@@ -51,6 +51,23 @@ def real_llm():
 
 
 @pytest.fixture(scope="session")
+def gguf_llm():
+    """gguf_llm(path) -> specee LLM (float32) on a GGUF file, loaded once per session (tests skip first
+    when the file is absent)."""
+    from specee import LLM
+
+    return functools.cache(lambda path: LLM(path, dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def gguf_hf_tokenizer():
+    """gguf_hf_tokenizer(path) -> transformers' tokenizer of a GGUF file, built once per session."""
+    from transformers import AutoTokenizer
+
+    return functools.cache(lambda path: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+
+
+@pytest.fixture(scope="session")
 def real_hf():
     """real_hf(name) -> transformers model in float32 (the reference), loaded once per session."""
     from checkpoints import load_hf

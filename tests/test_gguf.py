@@ -15,7 +15,7 @@ import torch
 from conftest import MODELS
 from gguf_checkpoints import TinyGGUF, _permute, write_gguf
 
-from specee import LLM, SamplingParams
+from specee import SamplingParams
 from specee.model.config import UnsupportedModelError
 from specee.model.gguf import gguf_tensor_map, unpermute_rows
 from specee.model.llama import Transformer
@@ -99,7 +99,7 @@ PROMPTS = ["What is the capital of France?", "Write a Python function that rever
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(gguf_llm):
     if not SMOLLM2.exists():
         pytest.skip(f"real model SmolLM2 not available: {SMOLLM2} is absent (../shared/models is not mounted)")
     hf = hf_gguf(SMOLLM2)
@@ -107,7 +107,7 @@ def smollm2():
     # (min_new_tokens would forbid EOS instead, changing the greedy stream). generate() then needs an
     # explicit attention mask, else it masks the prompt's <|im_end|> as padding (pad id = eos id = 2).
     hf.generation_config.eos_token_id = hf.config.eos_token_id = None
-    return LLM(SMOLLM2, dtype="float32"), hf
+    return gguf_llm(SMOLLM2), hf
 
 
 def test_smollm2_config(smollm2):
