@@ -249,3 +249,108 @@ def test_params_list_length_mismatch(llm):
 def test_unknown_dtype(ckpt):
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         LLM(ckpt, dtype="float8")
+
+
+# ---- found when tried as a new user would: each a one-line `specee: error:` (exit 2) ---------------
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from specee import cli
+
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("specee: error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("keep", [100, 20000])  # a cut header, and a header whose data is cut short
+def test_truncated_safetensors_in_generate_and_info(ckpt, tmp_path, capsys, keep):
+    path = clone(ckpt, tmp_path)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()  # the clone's weights are a symlink to the shared checkpoint
+    weights.write_bytes(data[:keep])
+    for argv in (["generate", "--prompt", "hi", "--no-chat"], ["info"]):
+        code, _, err = run_cli(capsys, *argv, "--model", str(path))
+        assert_one_line_error(code, err, "model.safetensors: not a readable safetensors file (truncated or corrupt")
+
+
+def test_config_without_hidden_size(ckpt, tmp_path, capsys):
+    path = clone(ckpt, tmp_path)
+    edit_json(path / "config.json", delete=["hidden_size"])
+    with pytest.raises(ValueError, match="config.json: missing required key.s. hidden_size"):
+        LLM(path)
+    code, _, err = run_cli(capsys, "info", "--model", str(path))
+    assert_one_line_error(code, err, "missing required key(s) hidden_size")
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi", "--draft", "ngram"],
+                                     ["calibrate", "-o", "bank", "--draft", "ngram"],
+                                     ["bench", "speed", "--draft", "ngram"]])
+def test_huge_k_is_refused_before_any_work(capsys, monkeypatch, command):
+    import specee.engine.llm as llm_module
+
+    def never(*_a, **_k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", never)
+    code, _, err = run_cli(capsys, *command, "--k", "5000")
+    assert code == 2 and "--k 5000 is too large: at most 64" in err
+
+
+def test_truncated_gguf_and_unsupported_tensor_type(tmp_path, capsys):
+    from gguf_checkpoints import TinyGGUF, write_gguf
+
+    spec = TinyGGUF("llama", ("Q8_0",), True)
+    good = write_gguf(tmp_path / "good.gguf", spec).read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(good[: len(good) // 2])
+    write_gguf(tmp_path / "q8_1.gguf", spec, override_type={"blk.1.ffn_down.weight": "Q8_1"})
+    for argv in (["generate", "--prompt", "hi", "--no-chat"], ["info"]):
+        code, _, err = run_cli(capsys, *argv, "--model", str(tmp_path / "cut.gguf"))
+        assert_one_line_error(code, err, "cut.gguf: not a readable GGUF file (truncated or corrupt")
+        code, _, err = run_cli(capsys, *argv, "--model", str(tmp_path / "q8_1.gguf"))
+        assert_one_line_error(code, err, "GGUF tensor type(s) Q8_1 cannot be dequantized")
+
+
+def test_errors_name_the_flag_the_user_typed(ckpt, capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", str(ckpt), "--prompt", "hi", "--no-chat",
+                           "--max-new-tokens", "100000")
+    assert_one_line_error(code, err, "--max-new-tokens (100000)", "lower --max-new-tokens")
+    assert "max_tokens" not in err
+
+
+def test_ctrl_c_in_chat_stops_the_reply_not_the_conversation(ckpt, tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    from specee import cli
+
+    path = clone(ckpt, tmp_path)
+    edit_json(path / "tokenizer_config.json", chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    seen: list[list[dict[str, str]]] = []
+    original = Tokenizer.encode_chat
+
+    def spy(self, messages):
+        seen.append([dict(m) for m in messages])
+        return original(self, messages)
+
+    writes = []
+
+    def write_out(text: str) -> None:
+        writes.append(text)
+        if len(seen) == 1 and text != "\n":  # the first reply: Ctrl-C at its first piece of text
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Tokenizer, "encode_chat", spy)
+    monkeypatch.setattr(cli, "write_out", write_out)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nOnce upon a time\n"))
+    code, _, err = run_cli(capsys, "chat", "--model", str(path), "--max-new-tokens", "6")
+    assert code == 0, err
+    assert "reply interrupted" in err
+    assert [[m["role"] for m in msgs] for msgs in seen] == [["user"], ["user", "assistant", "user"]]
+    assert seen[1][1]["content"] == writes[0]  # the interrupted reply keeps the text shown before Ctrl-C
+    assert len([w for w in writes if w != "\n"]) > 1  # the second reply streamed
