@@ -87,6 +87,21 @@ def test_fingerprint_changes_with_weights_and_not_with_rewrite(tiny_gguf, tmp_pa
     assert fingerprint_weights(path) == fingerprint_weights(same) != fingerprint_weights(other)
 
 
+def test_safetensors_fingerprint_samples_several_tensors(tiny_checkpoint, tmp_path):
+    """Same names, shapes and first tensor, other weights changed: a different checkpoint, a different key."""
+    from safetensors.torch import load_file, save_file
+
+    from checkpoints import clone_checkpoint
+
+    src = tiny_checkpoint("llama2")
+    path = clone_checkpoint(src, tmp_path / "model")
+    tensors = load_file(str(src / "model.safetensors"))
+    first = sorted(tensors)[0]
+    (path / "model.safetensors").unlink()
+    save_file({n: t if n == first else t * 1.5 for n, t in tensors.items()}, str(path / "model.safetensors"))
+    assert fingerprint_weights(path) != fingerprint_weights(src)
+
+
 def test_directory_with_one_gguf_loads_it(tiny_gguf, tmp_path):
     path = tiny_gguf("llama-separate-kquants")
     (tmp_path / path.name).symlink_to(path)
