@@ -15,7 +15,9 @@ from .config import ModelConfig
 from .kv_cache import KVCache
 from .quant import FloatLinear, GGUFWeight, Linear, linear_from_parts
 from .rope import apply_rope, rope_tables, signed_sin
-from .weights import CheckpointError, check_config_fits, read_state_dict, take
+from .gguf import config_from_gguf, open_gguf, read_gguf_state_dict
+from .resolve import is_gguf, local_model
+from .weights import check_config_fits, read_state_dict, take
 
 
 @dataclass
@@ -74,11 +76,13 @@ class Transformer:
                                       get(p + "self_attn.k_proj.bias", (kv_dim,)),
                                       get(p + "self_attn.v_proj.bias", (kv_dim,))])
             qkv = linear([(p + "self_attn.q_proj.weight", q_dim, H), (p + "self_attn.k_proj.weight", kv_dim, H),
-                          (p + "self_attn.v_proj.weight", kv_dim, H)], qkv_bias)
+                          (p + "self_attn.v_proj.weight", kv_dim, H)], qkv_bias, keep_rows=True)
+            kv = qkv.take_rows(slice(q_dim, None))  # from the rows kept until here
+            qkv.release_rows()
             self.layers.append(LayerWeights(
                 attn_norm=get(p + "input_layernorm.weight", (H,)),
                 qkv=qkv,
-                kv=qkv.take_rows(slice(q_dim, None)),
+                kv=kv,
                 o=linear([(p + "self_attn.o_proj.weight", H, q_dim)],
                          get(p + "self_attn.o_proj.bias", (H,)) if cfg.o_bias else None),
                 mlp_norm=get(p + "post_attention_layernorm.weight", (H,)),
@@ -100,15 +104,18 @@ class Transformer:
         self.slot_ids = torch.arange(cfg.max_position_embeddings, device=device)
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    def load(cls, source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              quantization: str | None = None) -> "Transformer":
-        model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model directory not found: {model_dir}")
-        if not (model_dir / "config.json").exists():
-            raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
-        cfg = ModelConfig.from_file(model_dir / "config.json")
-        return cls(cfg, read_state_dict(model_dir), torch.device(device), dtype, model_dir, quantization)
+        """source: a checkpoint directory (config.json + safetensors), a .gguf file, or a directory holding one.
+        quantization: see __init__; a quantized GGUF's weight matrices then stay raw blocks until repacked."""
+        path = local_model(source)
+        if is_gguf(path):
+            reader = open_gguf(path)
+            cfg = config_from_gguf(reader, path)
+            tensors = read_gguf_state_dict(reader, cfg, path, dtype, raw_matrices=quantization is not None)
+            return cls(cfg, tensors, torch.device(device), dtype, path, quantization)
+        cfg = ModelConfig.from_file(path / "config.json")
+        return cls(cfg, read_state_dict(path), torch.device(device), dtype, path, quantization)
 
     def weight_bytes(self) -> int:
         """Bytes of resident weights (embedding, norms, linears; not the RoPE tables or KV cache),

@@ -32,6 +32,7 @@ class Linear(Protocol):
     def take_rows(self, ids: torch.Tensor | slice) -> "Linear": ...
     def dequantize(self) -> torch.Tensor: ...
     def tensors(self) -> list[torch.Tensor]: ...
+    def release_rows(self) -> None: ...
 
 
 def _bias_slice(bias: torch.Tensor | None, ids) -> torch.Tensor | None:
@@ -60,6 +61,9 @@ class FloatLinear:
     def tensors(self) -> list[torch.Tensor]:
         return _present(self.weight, self.bias)
 
+    def release_rows(self) -> None:
+        """Nothing to drop: a float weight's rows are always at hand."""
+
 
 def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
     return [t for t in tensors if t is not None]
@@ -83,6 +87,9 @@ class _KernelLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def release_rows(self) -> None:
+        """Drop what only row gathers need (int4's plain nibbles; int8 rows are gathered from its weight)."""
 
 
 class Int8Linear(_KernelLinear):
@@ -188,6 +195,9 @@ class Int4Linear(_KernelLinear):
         """The kernel's effective weight W = (q - 8) * scale + zero, in float32."""
         return self.rows(slice(None))
 
+    def release_rows(self) -> None:
+        self.nibbles = None
+
     def tensors(self) -> list[torch.Tensor]:
         """What it holds resident (scales/zeros [N, G] are kept for rows and dequantize)."""
         return _present(self.packed, self.scales_and_zeros, self.scales, self.zeros, self.nibbles, self.bias)
@@ -223,10 +233,13 @@ class GGUFWeight:
             else tuple(self.data.shape)
 
     def dequantize(self) -> torch.Tensor:
-        """gguf's own float32 dequantization: the reference for every repack below."""
+        """gguf's own float32 dequantization, one vectorized call over all blocks (gguf.quants.dequantize
+        walks a memory map row group by row group, several times slower)."""
         from gguf.quants import dequantize
 
-        return torch.from_numpy(np.require(dequantize(self.data, self.qtype), np.float32, ["C", "W"]))
+        if self.data.dtype != np.uint8 or self.qtype.name not in _GGUF_QUANTS:
+            return torch.from_numpy(np.require(dequantize(self.data, self.qtype), np.float32, ["C", "W"]))
+        return torch.from_numpy(_dequantize_blocks(self.qtype, self.data).reshape(self.shape))
 
     def to(self, device=None, dtype=None) -> torch.Tensor:
         """As a float tensor (the embedding, norms, or a weight the caller wants float)."""
@@ -242,6 +255,17 @@ class GGUFWeight:
         return None if self.qtype in (T.F32, T.F16, T.BF16) else "int8"
 
 
+_GGUF_QUANTS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+
+
+def _dequantize_blocks(qtype, data: np.ndarray) -> np.ndarray:
+    """gguf.quants' dequantization of `qtype` applied to all blocks of `data` at once: float32 [blocks, block]."""
+    import gguf.quants
+
+    size = gguf.quants.GGML_QUANT_SIZES[qtype][1]
+    return getattr(gguf.quants, qtype.name).dequantize_blocks(np.ascontiguousarray(data).reshape(-1, size))
+
+
 def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0 / Q4_1 / Q4_K blocks as int4 groups of 32, without a float round trip of the weights:
     (q uint8 [N, K], scales, zeros float32 [N, K // 32]) with W = (q - 8) * scale + zero.
@@ -254,7 +278,7 @@ def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     In float32 these scales and zeros are exact (fp16 times a 6-bit integer) up to the one rounding
     of the zero's sum; the kernel reads them in bf16, which is where the repack rounds (see README)."""
     from gguf import GGMLQuantizationType as T
-    from gguf.quants import Q4_K, GGML_QUANT_SIZES, dequantize
+    from gguf.quants import Q4_K, GGML_QUANT_SIZES
 
     N, K = w.shape
     block, size = GGML_QUANT_SIZES[w.qtype]
@@ -264,12 +288,12 @@ def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     unit[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)  # d = 1
     if w.qtype == T.Q4_0:
         scales, zeros = f16(blocks[:, 0:2]), None
-        codes = dequantize(unit, w.qtype) + 8
+        codes = _dequantize_blocks(w.qtype, unit) + 8
     elif w.qtype == T.Q4_1:
         d, m = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
         unit[:, 2:4] = 0  # m = 0
         scales, zeros = d, m + 8 * d
-        codes = dequantize(unit, w.qtype)
+        codes = _dequantize_blocks(w.qtype, unit)
     elif w.qtype == T.Q4_K:
         d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
         sc, m = (a.astype(np.float32).reshape(N, -1, 8) for a in Q4_K.get_scale_min(blocks[:, 4:16]))
@@ -277,7 +301,7 @@ def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         zeros = (8 * d.reshape(N, -1, 1) * sc - dmin.reshape(N, -1, 1) * m).reshape(N, -1)
         unit[:, 2:4] = 0  # dmin = 0
         unit[:, 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)  # every sc_j = 1, m_j = 0
-        codes = dequantize(unit, w.qtype)
+        codes = _dequantize_blocks(w.qtype, unit)
     else:
         raise ValueError(f"{w.qtype.name} blocks are not int4 groups (only Q4_0, Q4_1, Q4_K are)")
     q = torch.from_numpy(codes.reshape(N, K).astype(np.uint8))
