@@ -30,7 +30,8 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model_dir: str | Path, target_tokenizer: Tokenizer, k: int = 4,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_len: int = 512,
-                 *, target_dir: str | Path | None = None, vocab_size: int | None = None):
+                 *, target_dir: str | Path | None = None, vocab_size: int | None = None,
+                 quantization: str | None = None):
         """model_dir: the draft checkpoint; target_tokenizer: the target's tokenizer (the draft's
         must be identical, else DrafterMismatchError); max_len: initial KV capacity (grows on
         demand; `reset(prompt, max_new_tokens)` sizes it for a request). vocab_size: the
@@ -41,7 +42,7 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"k must be >= 1, got {k}")
         draft_tokenizer = Tokenizer(self.model_dir)
         check_same_tokenizer(target_tokenizer, draft_tokenizer, target_dir, self.model_dir)
-        self.model = Transformer.load(self.model_dir, device, dtype)
+        self.model = Transformer.load(self.model_dir, device, dtype, quantization)  # quant.py's modes
         cfg = self.model.cfg
         limit = min(cfg.vocab_size, vocab_size or target_tokenizer.vocab_size)
         if k > limit:
