@@ -2,6 +2,7 @@
 then one decode step of a SmolLM2-135M-shaped model in each weight format.
 
     python benchmarks/bench_kernels.py [--threads 2 1] [--rows 1 4 8] [--shapes head] [--no-decode]
+    python benchmarks/bench_kernels.py --no-kernels --model SmolLM2-135M-Instruct.Q4_1.gguf --modes float auto int4 int8
 
 Prints milliseconds per product (median of repeats) for float32, bfloat16, int8 per channel
 (`_weight_int8pack_mm`), int4 group 32/64 (`_weight_int4pack_mm_for_cpu`) with bf16 activations,
@@ -139,12 +140,13 @@ def bytes_read_per_token(model: Transformer) -> int:
     return total
 
 
-def decode_section(threads_list: list[int], context: int = 128, steps: int = 16) -> None:
-    print("\ndecode step of a SmolLM2-135M-shaped model (random weights), batch 1, "
-          f"{context} tokens of context: ms per token, tokens/s, MB read per token")
+def decode_section(threads_list: list[int], model_path: str | None, modes: list[str], context: int = 128,
+                   steps: int = 16) -> None:
+    what = model_path or "a SmolLM2-135M-shaped model (random weights)"
+    print(f"\ndecode step of {what}, batch 1, {context} tokens of context: ms per token, tokens/s, MB read per token")
     for dtype in (torch.float32, torch.bfloat16):
-        for mode in (None, "int8", "int4"):
-            model = smollm2_shaped(dtype, mode)
+        for mode in [None if m == "float" else m for m in modes]:
+            model = Transformer.load(model_path, "cpu", dtype, mode) if model_path else smollm2_shaped(dtype, mode)
             cache = model.new_cache(1, context + steps + 1)
             cache.length = context
             cache.mark_filled(slice(None), slice(0, context))
@@ -169,12 +171,15 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--cold-mb", type=float, default=128, help="float32 MB of weight copies cycled through (default 128)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step section")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the per-kernel section")
+    ap.add_argument("--model", default=None, help="decode a real checkpoint (directory or .gguf) instead of random weights")
+    ap.add_argument("--modes", nargs="+", default=["float", "int8", "int4"], choices=["float", "int8", "int4", "auto"])
     args = ap.parse_args()
     torch.manual_seed(0)
     labels = LABELS if torchao_int8(torch.zeros(16, 32))[0] is not None else LABELS[:-1]
     if len(labels) < len(LABELS):
         print(f"torchao int8 skipped: {torchao_int8(torch.zeros(16, 32))[1]}")
-    for name in args.shapes:
+    for name in [] if args.no_kernels else args.shapes:
         N, K = SHAPES[name]
         copies = max(2, int(args.cold_mb * 1e6 / (N * K * 4)))
         weights = [torch.randn(N, K) * K ** -0.5 for _ in range(copies)]
@@ -191,7 +196,7 @@ def main() -> None:
                     print(f"{label:28s}" + "".join(f"{m:9.3f}" for m in ms) + f"   {base / ms[0]:5.2f}x")
         del weights, fns
     if not args.no_decode:
-        decode_section(args.threads)
+        decode_section(args.threads, args.model, args.modes)
 
 
 if __name__ == "__main__":
