@@ -75,6 +75,16 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True) -> Non
                        help="where to run (default: cpu; cuda:N picks a GPU)")
         g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
+        add_quantization_arg(g)
+
+
+QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), or auto (a GGUF's "
+                     "own precision: Q4 -> int4, Q5/Q6/Q8 -> int8, float -> none; default: none, float weights)")
+
+
+def add_quantization_arg(group) -> None:
+    """--quantization, for every command that runs a model (shared with `specee bench`)."""
+    group.add_argument("--quantization", choices=("int4", "int8", "auto"), default=None, help=QUANTIZATION_HELP)
 
 
 def _int_at_least(value: str, low: int, what: str) -> int:
@@ -188,7 +198,10 @@ def load_llm(args: argparse.Namespace):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}); use --device cpu")
     config = early_exit_config(args, model_dir) if hasattr(args, "no_exit") else None
-    return LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config)
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=args.quantization)
+    if args.quantization:
+        note(f"{args.quantization} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
+    return llm
 
 
 def stats_line(stats) -> str:
@@ -266,7 +279,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate(prompt, params, chat=chat)[0]
         print(json.dumps({"model": str(llm.model_dir), "prompt": prompt, "chat": chat, "text": out.text,
                           "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
-                          "finish_reason": out.finish_reason, "stats": out.stats.as_dict()}, ensure_ascii=False))
+                          "finish_reason": out.finish_reason, "stats": out.stats.as_dict(),
+                          "quantization": llm.quantization, "weight_bytes": llm.model.weight_bytes()}, ensure_ascii=False))
         return 0
     for delta in llm.stream(prompt, params, chat=chat):
         write_out(delta)

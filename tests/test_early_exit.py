@@ -144,7 +144,7 @@ def test_skip_leaves_holes_and_propagate_fills_them(deep_llm):
             x = torch.nn.functional.rms_norm(h1, (model.cfg.hidden_size,), w.attn_norm, model.cfg.rms_norm_eps)
             q_dim = model.cfg.num_heads * model.cfg.head_dim
             kv_dim = model.cfg.num_kv_heads * model.cfg.head_dim
-            k = (w.qkv[q_dim:q_dim + kv_dim] @ x).view(model.cfg.num_kv_heads, model.cfg.head_dim)
+            k = (w.qkv.weight[q_dim:q_dim + kv_dim] @ x).view(model.cfg.num_kv_heads, model.cfg.head_dim)
             angle = (P + 1) * inverse_frequencies(model.cfg)
             cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
             k_rot = k * cos + torch.cat([-k[:, k.shape[1] // 2:], k[:, : k.shape[1] // 2]], dim=-1) * sin

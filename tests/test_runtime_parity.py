@@ -108,7 +108,7 @@ def test_checkpoint_is_the_intended_variant(variant):
     elif name == "mistral":
         assert cfg.architecture == "MistralForCausalLM"
     elif name == "tied":
-        assert cfg.tie_word_embeddings and llm.model.lm_head_weight is llm.model.embedding
+        assert cfg.tie_word_embeddings and llm.model.head.weight is llm.model.embedding
     elif name == "gqa_head_dim":
         assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_heads and cfg.num_kv_heads < cfg.num_heads
     elif name == "sharded":

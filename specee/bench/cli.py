@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli import DTYPE_CHOICES, device_arg, non_negative_int, positive_int, speculative_k
+from ..cli import DTYPE_CHOICES, add_quantization_arg, device_arg, non_negative_int, positive_int, speculative_k
 from .common import (DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, load_prompts, parse_list, write_json,
                      write_text)
 
@@ -35,6 +35,7 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
     g.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
+    add_quantization_arg(g)
     g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--shared", metavar="DIR", default=None,
                    help="the shared models/data folder (default: ../shared next to the repository)")
@@ -105,7 +106,7 @@ def load_target(args: argparse.Namespace, model: Path):
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise BenchError(f"--device {args.device}: CUDA is not available (torch {torch.__version__})")
-    return LLM(model, device=args.device, dtype=args.dtype, progress=not args.no_progress)
+    return LLM(model, device=args.device, dtype=args.dtype, progress=not args.no_progress, quantization=args.quantization)
 
 
 def prompts_from(args: argparse.Namespace):

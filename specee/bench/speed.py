@@ -305,6 +305,7 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
     return {
         "benchmark": "speed",
         "environment": environment(llm, draft=draft, bank=bank, argv=argv),
+        "weights": {"quantization": llm.quantization, "resident_bytes": llm.model.weight_bytes()},
         "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup, "batch_size": 1,
                      "greedy": True, "ignore_eos": True, "chat_template": use_chat, "k": k,
                      "policies": list(policies), "lossless": lossless, "transformers_baseline": hf,
@@ -327,6 +328,8 @@ def speed_markdown(report: dict[str, Any]) -> str:
              "",
              f"{len(report['prompts'])} prompts, {s['max_new_tokens']} new tokens each (EOS ignored), batch 1, greedy, "
              f"median of {s['repeats']} runs after {s['warmup']} warm-up run(s).",
+             f"Weights: {report['weights']['quantization'] or 'float'}, "
+             f"{report['weights']['resident_bytes'] / 2**20:.1f} MiB resident.",
              "",
              md_table(["configuration", "tokens/s", "decode tokens/s", f"mean exit layer (of {L})",
                        "speedup vs full", "speedup vs transformers", "decode speedup vs full"],

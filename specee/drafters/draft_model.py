@@ -30,7 +30,8 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model_dir: str | Path, target_tokenizer: Tokenizer, k: int = 4,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_len: int = 512,
-                 *, target_dir: str | Path | None = None, vocab_size: int | None = None):
+                 *, target_dir: str | Path | None = None, vocab_size: int | None = None,
+                 quantization: str | None = None):
         """model_dir: the draft checkpoint; target_tokenizer: the target's tokenizer (the draft's
         must be identical, else DrafterMismatchError); max_len: initial KV capacity (grows on
         demand; `reset(prompt, max_new_tokens)` sizes it for a request). vocab_size: the
@@ -41,7 +42,7 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"k must be >= 1, got {k}")
         draft_tokenizer = Tokenizer(self.model_dir)
         check_same_tokenizer(target_tokenizer, draft_tokenizer, target_dir, self.model_dir)
-        self.model = Transformer.load(self.model_dir, device, dtype)
+        self.model = Transformer.load(self.model_dir, device, dtype, quantization)  # quant.py's modes
         cfg = self.model.cfg
         limit = min(cfg.vocab_size, vocab_size or target_tokenizer.vocab_size)
         if k > limit:
@@ -51,7 +52,7 @@ class DraftModelDrafter(Drafter):
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.device = self.model.device
         self.vocab_limit = limit
-        self._full_head = self.model.lm_head_weight[:limit]  # a view: rows the target can emit
+        self._full_head = self.model.head.take_rows(slice(0, limit))  # rows the target can emit (float: a view)
         self._head, self._head_ids = self._full_head, None  # the rows scored; their token ids (None = all)
         self.context = cfg.context_limit
         self._cache = self.model.new_cache(1, max(1, min(max_len, self.context)))
@@ -93,7 +94,7 @@ class DraftModelDrafter(Drafter):
 
     def _top_k(self, normed: torch.Tensor) -> torch.Tensor:
         """Token ids of the k best-scored head rows for final-normed hidden states [N, H]: [N, k]."""
-        best = F.linear(normed, self._head).topk(self.k, dim=-1).indices
+        best = self._head(normed).topk(self.k, dim=-1).indices
         return best if self._head_ids is None else self._head_ids[best]
 
     # ---- the Drafter interface ----------------------------------------------------------------
@@ -124,7 +125,7 @@ class DraftModelDrafter(Drafter):
             if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_limit:
                 raise ValueError(f"shortlist token ids must be in [0, {self.vocab_limit})")
             ids = ids.to(self.device)
-            self._head, self._head_ids = self._full_head[ids].contiguous(), ids
+            self._head, self._head_ids = self._full_head.take_rows(ids), ids
         if self._topk is not None:  # proposed under the old head: re-run the last cached token
             self._n -= 1
             self._cache.length = self._n

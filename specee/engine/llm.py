@@ -27,6 +27,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+QUANTIZATIONS = (None, "int4", "int8", "auto")
 BANK_RECIPE = "r2"  # r2: the draft model's LM head restricted to a frequency shortlist
 
 
@@ -67,16 +68,21 @@ class LLM:
     """A loaded target model; with `early_exit`, decoding uses SpecEE early exiting.
 
     model: a checkpoint directory, a .gguf file (or a directory holding one), or a Hugging Face hub
-    id (`revision` picks a branch, tag or commit). early_exit: an EarlyExitConfig. Its bank is
+    id (`revision` picks a branch, tag or commit). quantization: None (float), "int4", "int8" or
+    "auto" (a GGUF's own precision: Q4 -> int4, Q5/Q6/Q8 -> int8, float -> float). early_exit: an EarlyExitConfig. Its bank is
     loaded (and checked against this target and drafter); without one, a bank is calibrated once
     and cached under ~/.cache/specee/banks, keyed by the target's and drafter's fingerprints and the dtype.
     """
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
-                 early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None):
+                 early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
+                 quantization: str | None = None):
         self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
         dev = torch.device(device)
-        self.model = Transformer.load(self.model_dir, dev, resolve_dtype(dtype, dev))
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(map(str, QUANTIZATIONS))}")
+        self.quantization = quantization  # weight-only int4/int8 linears (model/quant.py); auto: a GGUF's own
+        self.model = Transformer.load(self.model_dir, dev, resolve_dtype(dtype, dev), quantization)
         self.tokenizer = Tokenizer(self.model_dir)
         if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
             raise ValueError(f"{self.model_dir}: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
@@ -95,7 +101,8 @@ class LLM:
         if draft == "ngram":
             return NGramDrafter(k, self.model.cfg.vocab_size, self.model.device)
         return DraftModelDrafter(draft, self.tokenizer, k, self.model.device, self.model.dtype,
-                                 max_len=self.model.cfg.max_position_embeddings, target_dir=self.model_dir)
+                                 max_len=self.model.cfg.max_position_embeddings, target_dir=self.model_dir,
+                                 quantization=self.quantization)
 
     def enable_early_exit(self, config: EarlyExitConfig) -> None:
         drafter = self.make_drafter(config.draft, config.k)
@@ -111,7 +118,8 @@ class LLM:
         """Where the bank for this target + drafter + k + dtype is cached; the suffix names the
         calibration recipe, so banks cached by an older recipe are not reused."""
         dtype = str(self.model.dtype).removeprefix("torch.")
-        return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{dtype}-{BANK_RECIPE}"
+        quant = f"-{self.quantization}" if self.quantization else ""  # quantized weights move the features
+        return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{dtype}{quant}-{BANK_RECIPE}"
 
     def cached_bank(self, drafter: Drafter, k: int) -> PredictorBank:
         """The bank for this target + drafter from the user's cache, calibrating it on first use."""

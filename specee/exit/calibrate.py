@@ -191,7 +191,6 @@ def _record(model, drafter, seqs: list[list[int]], starts: list[int], batches: l
     L, H = model.cfg.num_layers, model.cfg.hidden_size
     dev = model.device
     feats, correct, in_spec, owner, final_tok, nxt = [], [], [], [], [], []
-    head = model.lm_head_weight
     for batch in batches:
         use = [i for i in batch if len(seqs[i]) - starts[i] >= 1]
         if not use:
@@ -214,7 +213,7 @@ def _record(model, drafter, seqs: list[list[int]], starts: list[int], batches: l
             h_sel = h.reshape(-1, H)[sel]
             f_b.append(exit_features(model, h_prev, h_sel, rows).float())
             normed = model.norm(h_sel)
-            top_b.append(torch.cat([F.linear(c, head).argmax(-1) for c in normed.split(lens_chunk)]))
+            top_b.append(torch.cat([model.lm_head(c).argmax(-1) for c in normed.split(lens_chunk)]))
             h_prev = h_sel
         top = torch.stack(top_b)  # [L, N]
         feats.append(torch.stack(f_b))

@@ -30,8 +30,9 @@ def num_features(k: int) -> int:
 
 def spec_rows(model, spec_ids: torch.Tensor) -> torch.Tensor:
     """LM-head rows of the speculative tokens: [k, H] for spec_ids [k], [N, k, H] for [N, k].
-    Gather once per token; every checked layer reuses them."""
-    return model.lm_head_weight[spec_ids]
+    Gather once per token; every checked layer reuses them. A quantized head gives its
+    dequantized rows, so these logits are the ones its full product gives."""
+    return model.head.rows(spec_ids).to(model.dtype)
 
 
 def spec_logits(model, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig, UnsupportedModelError
+from .quant import GGUFWeight
 from .weights import CheckpointError
 
 # GGUF `general.architecture` -> the transformers class name specee's ModelConfig uses
@@ -188,9 +189,10 @@ def check_tensor_types(reader, source: str | Path) -> None:
                                     f"by the gguf package installed")
 
 
-def read_gguf_state_dict(reader, cfg: ModelConfig, source: str | Path,
-                         dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized (gguf.quants.dequantize) to `dtype`, un-permuted, under its HF name."""
+def read_gguf_state_dict(reader, cfg: ModelConfig, source: str | Path, dtype: torch.dtype = torch.float32,
+                         raw_matrices: bool = False) -> dict[str, torch.Tensor | GGUFWeight]:
+    """Every tensor dequantized (gguf.quants.dequantize) to `dtype`, un-permuted, under its HF name;
+    with raw_matrices, weight matrices stay raw blocks (GGUFWeight, rows un-permuted) for quant.py."""
     from gguf.quants import dequantize
 
     check_tensor_types(reader, source)
@@ -200,8 +202,11 @@ def read_gguf_state_dict(reader, cfg: ModelConfig, source: str | Path,
         raise CheckpointError(f"{source}: unexpected GGUF tensors not used by {cfg.architecture}: {extra[:5]}")
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        values = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W"]))
         heads = permuted_heads(cfg, t.name)
+        if raw_matrices and t.data.ndim == 2:  # a row permutation of quantized rows is exact
+            tensors[mapping[t.name]] = GGUFWeight(t.tensor_type, t.data if heads is None else unpermute_rows(t.data, heads))
+            continue
+        values = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W"]))
         if heads is not None:
             values = unpermute_rows(values, heads)
         tensors[mapping[t.name]] = values.to(dtype)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .quant import FloatLinear, GGUFWeight, Linear, linear_from_parts
 from .rope import apply_rope, rope_tables, signed_sin
 from .gguf import config_from_gguf, open_gguf, read_gguf_state_dict
 from .resolve import is_gguf, local_model
@@ -22,13 +23,12 @@ from .weights import check_config_fits, read_state_dict, take
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # q, k and v projections fused: one matmul instead of three
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear  # q, k and v projections fused: one matmul instead of three
+    kv: Linear  # qkv's k and v rows (a view when float), for project_kv
+    o: Linear
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate and up fused
-    down: torch.Tensor
+    gate_up: Linear  # gate and up fused
+    down: Linear
 
 
 @dataclass
@@ -48,42 +48,55 @@ class StepInputs:
 
 
 class Transformer:
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, source: Path):
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor | GGUFWeight], device: torch.device,
+                 dtype: torch.dtype, source: Path, quantization: str | None = None):
+        """tensors: HF-named weights, float tensors or GGUF raw blocks (GGUFWeight). quantization:
+        None (float linears in `dtype`), "int4", "int8" or "auto" (see quant.linear_from_parts).
+        Fused q/k/v and gate/up are quantized fused; the embedding stays float, and a tied LM head
+        gets its own quantized copy whose rows early exit can still gather."""
+        self.cfg, self.device, self.dtype, self.quantization = cfg, device, dtype, quantization
         H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
 
         def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return take(tensors, name, shape, source).to(device=device, dtype=dtype)
 
-        self.embedding = get("model.embed_tokens.weight", (cfg.vocab_size, H))
+        def linear(names: list[tuple[str, int, int]], bias: torch.Tensor | None = None, keep_rows: bool = False) -> Linear:
+            parts = [take(tensors, name, (n, k), source) for name, n, k in names]
+            return linear_from_parts(parts, bias, quantization, device, dtype, keep_rows)
+
+        embedding = take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, H), source)
+        self.embedding = embedding.to(device=device, dtype=dtype)
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([get(p + "self_attn.q_proj.weight", (q_dim, H)),
-                             get(p + "self_attn.k_proj.weight", (kv_dim, H)),
-                             get(p + "self_attn.v_proj.weight", (kv_dim, H))])
             qkv_bias = None
             if cfg.qkv_bias:
                 qkv_bias = torch.cat([get(p + "self_attn.q_proj.bias", (q_dim,)),
                                       get(p + "self_attn.k_proj.bias", (kv_dim,)),
                                       get(p + "self_attn.v_proj.bias", (kv_dim,))])
+            qkv = linear([(p + "self_attn.q_proj.weight", q_dim, H), (p + "self_attn.k_proj.weight", kv_dim, H),
+                          (p + "self_attn.v_proj.weight", kv_dim, H)], qkv_bias, keep_rows=True)
+            kv = qkv.take_rows(slice(q_dim, None))  # from the rows kept until here
+            qkv.release_rows()
             self.layers.append(LayerWeights(
                 attn_norm=get(p + "input_layernorm.weight", (H,)),
                 qkv=qkv,
-                qkv_bias=qkv_bias,
-                o=get(p + "self_attn.o_proj.weight", (H, q_dim)),
-                o_bias=get(p + "self_attn.o_proj.bias", (H,)) if cfg.o_bias else None,
+                kv=kv,
+                o=linear([(p + "self_attn.o_proj.weight", H, q_dim)],
+                         get(p + "self_attn.o_proj.bias", (H,)) if cfg.o_bias else None),
                 mlp_norm=get(p + "post_attention_layernorm.weight", (H,)),
-                gate_up=torch.cat([get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))]),
-                down=get(p + "mlp.down_proj.weight", (H, I)),
+                gate_up=linear([(p + "mlp.gate_proj.weight", I, H), (p + "mlp.up_proj.weight", I, H)]),
+                down=linear([(p + "mlp.down_proj.weight", H, I)]),
             ))
         self.final_norm = get("model.norm.weight", (H,))
         if cfg.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
-            self.lm_head_weight = self.embedding
+            self.head: Linear = linear_from_parts([embedding], None, quantization, device, dtype, keep_rows=True)
+            if isinstance(self.head, FloatLinear):
+                self.head = FloatLinear(self.embedding)  # one tensor for both, no copy
         else:
-            self.lm_head_weight = get("lm_head.weight", (cfg.vocab_size, H))
+            self.head = linear([("lm_head.weight", cfg.vocab_size, H)], keep_rows=True)
         check_config_fits(cfg, tensors, source)
         cos, sin = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
         self.cos_table, self.sin_table = cos, signed_sin(sin)
@@ -91,15 +104,29 @@ class Transformer:
         self.slot_ids = torch.arange(cfg.max_position_embeddings, device=device)
 
     @classmethod
-    def load(cls, source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Transformer":
-        """source: a checkpoint directory (config.json + safetensors), a .gguf file, or a directory holding one."""
+    def load(cls, source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+             quantization: str | None = None) -> "Transformer":
+        """source: a checkpoint directory (config.json + safetensors), a .gguf file, or a directory holding one.
+        quantization: see __init__; a quantized GGUF's weight matrices then stay raw blocks until repacked."""
         path = local_model(source)
         if is_gguf(path):
             reader = open_gguf(path)
             cfg = config_from_gguf(reader, path)
-            return cls(cfg, read_gguf_state_dict(reader, cfg, path, dtype), torch.device(device), dtype, path)
+            tensors = read_gguf_state_dict(reader, cfg, path, dtype, raw_matrices=quantization is not None)
+            return cls(cfg, tensors, torch.device(device), dtype, path, quantization)
         cfg = ModelConfig.from_file(path / "config.json")
-        return cls(cfg, read_state_dict(path), torch.device(device), dtype, path)
+        return cls(cfg, read_state_dict(path), torch.device(device), dtype, path, quantization)
+
+    def weight_bytes(self) -> int:
+        """Bytes of resident weights (embedding, norms, linears; not the RoPE tables or KV cache),
+        each storage counted once (a float kv is a view of qkv, a float tied head is the embedding)."""
+        tensors = [self.embedding, self.final_norm, *self.head.tensors()]
+        for w in self.layers:
+            tensors += [w.attn_norm, w.mlp_norm]
+            for lin in (w.qkv, w.kv, w.o, w.gate_up, w.down):
+                tensors += lin.tensors()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
 
     # ---- pieces of a forward pass -------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -130,7 +157,7 @@ class Transformer:
         B, S, _ = h.shape
         D = cfg.head_dim
         x = F.rms_norm(h, (cfg.hidden_size,), w.attn_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, w.qkv, w.qkv_bias).view(B, S, cfg.num_heads + 2 * cfg.num_kv_heads, D)
+        qkv = w.qkv(x).view(B, S, cfg.num_heads + 2 * cfg.num_kv_heads, D)
         qk = apply_rope(qkv[:, :, : cfg.num_heads + cfg.num_kv_heads], step.cos, step.sin)
         q = qk[:, :, : cfg.num_heads].transpose(1, 2)
         k = qk[:, :, cfg.num_heads :].transpose(1, 2)
@@ -141,19 +168,18 @@ class Transformer:
         attn = F.scaled_dot_product_attention(
             q, k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len],
             attn_mask=step.mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads)
-        h = h + F.linear(attn.transpose(1, 2).reshape(B, S, cfg.num_heads * D), w.o, w.o_bias)
+        h = h + w.o(attn.transpose(1, 2).reshape(B, S, cfg.num_heads * D))
         x = F.rms_norm(h, (cfg.hidden_size,), w.mlp_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w.down)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return h + w.down(F.silu(gate) * up)
 
     def project_kv(self, i: int, h: torch.Tensor, step: StepInputs, cache: KVCache) -> None:
         """Write layer i's K/V for rows h without running the layer (CALM-style propagation)."""
         cfg, w = self.cfg, self.layers[i]
         B, S, _ = h.shape
-        D, q_dim = cfg.head_dim, cfg.num_heads * cfg.head_dim
+        D = cfg.head_dim
         x = F.rms_norm(h, (cfg.hidden_size,), w.attn_norm, cfg.rms_norm_eps)
-        bias = None if w.qkv_bias is None else w.qkv_bias[q_dim:]
-        kv = F.linear(x, w.qkv[q_dim:], bias).view(B, S, 2 * cfg.num_kv_heads, D)
+        kv = w.kv(x).view(B, S, 2 * cfg.num_kv_heads, D)
         k = apply_rope(kv[:, :, : cfg.num_kv_heads], step.cos, step.sin)
         cache.k[i].index_copy_(2, step.slots, k.transpose(1, 2))
         cache.v[i].index_copy_(2, step.slots, kv[:, :, cfg.num_kv_heads :].transpose(1, 2))
@@ -162,7 +188,7 @@ class Transformer:
         return F.rms_norm(h, (self.cfg.hidden_size,), self.final_norm, self.cfg.rms_norm_eps)
 
     def lm_head(self, h_normed: torch.Tensor) -> torch.Tensor:
-        return F.linear(h_normed, self.lm_head_weight)
+        return self.head(h_normed)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))

@@ -1,0 +1,337 @@
+"""Weight-only quantized linear layers: int4 (grouped, asymmetric) and int8 (per output channel).
+
+Decoding on a CPU is bound by reading weights; these layers keep 4 or 8 bits per weight and
+multiply through PyTorch's own kernels (`_weight_int4pack_mm[_for_cpu]`, `_weight_int8pack_mm`),
+which take bfloat16 activations (float32 activations are several times slower: see
+benchmarks/bench_kernels.py). Every layer has `dequantize()`, the float weight the kernel
+effectively uses: the reference the tests check the kernels against.
+
+All linears share one small interface (`__call__`, `rows`, `take_rows`, `dequantize`, `tensors`)
+so the runtime calls them without knowing the format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+MODES = ("int4", "int8", "auto")  # auto: each GGUF tensor's nearest native format, float stays float
+INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K groups are 32 weights: one repack for both sources
+KERNEL_DTYPE = torch.bfloat16  # the dtype the integer kernels run in (activations, scales)
+
+
+class Linear(Protocol):
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def take_rows(self, ids: torch.Tensor | slice) -> "Linear": ...
+    def dequantize(self) -> torch.Tensor: ...
+    def tensors(self) -> list[torch.Tensor]: ...
+    def release_rows(self) -> None: ...
+
+
+def _bias_slice(bias: torch.Tensor | None, ids) -> torch.Tensor | None:
+    return None if bias is None else bias[ids]
+
+
+class FloatLinear:
+    """y = x W^T (+ b) with a float weight: F.linear, the reference and the default."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+    def take_rows(self, ids: torch.Tensor | slice) -> "FloatLinear":
+        return FloatLinear(self.weight[ids], _bias_slice(self.bias, ids))  # a slice stays a view
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight
+
+    def tensors(self) -> list[torch.Tensor]:
+        return _present(self.weight, self.bias)
+
+    def release_rows(self) -> None:
+        """Nothing to drop: a float weight's rows are always at hand."""
+
+
+def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+class _KernelLinear:
+    """What the two integer formats share: bf16 kernel activations, output in the caller's dtype."""
+
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self._matmul(x.reshape(-1, self.in_features).to(KERNEL_DTYPE)).view(*shape[:-1], self.out_features)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release_rows(self) -> None:
+        """Drop what only row gathers need (int4's plain nibbles; int8 rows are gathered from its weight)."""
+
+
+class Int8Linear(_KernelLinear):
+    """int8 weights, one scale per output channel (symmetric): W = q * scale[:, None]."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        self.qweight = qweight  # int8 [N, K]
+        self.scales = scales.to(KERNEL_DTYPE)  # [N]; the kernel reads them in the activations' dtype
+        self.bias = bias
+        self.out_features, self.in_features = qweight.shape
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        w = weight.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(KERNEL_DTYPE).float()  # round first: q uses it
+        q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
+        return cls(q, scales, bias)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2d, self.qweight, self.scales)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        out_dtype = torch.float32 if self.bias is None else self.bias.dtype
+        return (self.qweight[ids].float() * self.scales[ids].float().unsqueeze(-1)).to(out_dtype)
+
+    def take_rows(self, ids: torch.Tensor | slice) -> "Int8Linear":
+        return Int8Linear(self.qweight[ids], self.scales[ids], _bias_slice(self.bias, ids))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return _present(self.qweight, self.scales, self.bias)
+
+
+class Int4Linear(_KernelLinear):
+    """4-bit weights in groups of `group` along the input dim, a scale and zero per group:
+    W = (q - 8) * scale + zero, q in 0..15 (the form of PyTorch's int4 kernels).
+
+    The kernel wants its own tiled packing, which rows cannot be gathered from; `keep_rows=True`
+    (the LM head, whose spec-token rows early exit reads) also keeps the plain nibbles, 1/2 byte a
+    weight more. `take_rows` needs them too; the q/k/v split for `project_kv` is made at load.
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                 bias: torch.Tensor | None = None, keep_rows: bool = False):
+        """q: uint8 [N, K] values 0..15; scales, zeros: [N, K // group] (rounded to bf16 here)."""
+        N, K = q.shape
+        if K % group or group not in (32, 64, 128, 256) or N % 16:
+            raise ValueError(f"int4 needs the output dim ({N}) to be a multiple of 16 and the input dim ({K}) "
+                             f"a multiple of the group size ({group}, one of 32/64/128/256)")
+        self.out_features, self.in_features, self.group = N, K, group
+        self.scales, self.zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)  # [N, G]
+        self.bias = bias
+        if q.device.type == "cuda":
+            self.packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
+        self.nibbles = (q[:, 0::2] | q[:, 1::2] << 4).contiguous() if keep_rows else None  # [N, K/2]
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = INT4_GROUP,
+                   keep_rows: bool = False) -> "Int4Linear":
+        return cls(*int4_codes_from_float(weight, group), group, bias, keep_rows)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if x2d.device.type == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(x2d, self.packed, self.group, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group, self.scales_and_zeros)
+
+    def _ints(self, ids) -> torch.Tensor:
+        """q (0..15) of rows ids: from the plain nibbles if kept, else read back through the kernel."""
+        if self.nibbles is None:
+            return self._kernel_ints()[ids]
+        b = self.nibbles[ids]
+        return torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # [..., K]
+
+    def _kernel_ints(self) -> torch.Tensor:
+        """All of q, recovered from the packed weight by multiplying the identity (float32 on CPU:
+        each output is one product, exact), so nothing here trusts the kernel's private packing."""
+        dtype = torch.float32 if self.packed.device.type == "cpu" else KERNEL_DTYPE
+        eye = torch.eye(self.in_features, dtype=dtype, device=self.packed.device)
+        op = torch.ops.aten._weight_int4pack_mm if self.packed.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
+        w = op(eye, self.packed, self.group, self.scales_and_zeros.to(dtype)).float().t()
+        s = self.scales.float().repeat_interleave(self.group, dim=-1)
+        z = self.zeros.float().repeat_interleave(self.group, dim=-1)
+        return torch.round((w - z) / s + 8).clamp(0, 15).to(torch.uint8)
+
+    def _dequant(self, q: torch.Tensor, ids) -> torch.Tensor:
+        s = self.scales[ids].float().repeat_interleave(self.group, dim=-1)
+        z = self.zeros[ids].float().repeat_interleave(self.group, dim=-1)
+        return (q.float() - 8) * s + z
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._dequant(self._ints(ids), ids)
+
+    def take_rows(self, ids: torch.Tensor | slice, keep_rows: bool = False) -> "Int4Linear":
+        return Int4Linear(self._ints(ids), self.scales[ids], self.zeros[ids], self.group,
+                          _bias_slice(self.bias, ids), keep_rows)
+
+    def dequantize(self) -> torch.Tensor:
+        """The kernel's effective weight W = (q - 8) * scale + zero, in float32."""
+        return self.rows(slice(None))
+
+    def release_rows(self) -> None:
+        self.nibbles = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What it holds resident (scales/zeros [N, G] are kept for rows and dequantize)."""
+        return _present(self.packed, self.scales_and_zeros, self.scales, self.zeros, self.nibbles, self.bias)
+
+
+def int4_codes_from_float(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, ...]:
+    """Min/max asymmetric quantization per group: (q uint8 [N, K], scales, zeros [N, K // group]).
+    Scale and zero are rounded to bf16 before the weights are rounded against them, so q is
+    chosen on the grid the kernel uses."""
+    N, K = weight.shape
+    w = weight.float().view(N, K // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-8).to(KERNEL_DTYPE).float()
+    zeros = (lo + 8 * scales).to(KERNEL_DTYPE).float()
+    q = torch.round((w - zeros.unsqueeze(-1)) / scales.unsqueeze(-1) + 8).clamp(0, 15)
+    return q.to(torch.uint8).view(N, K), scales, zeros
+
+
+# ---- GGUF tensors -----------------------------------------------------------------------------
+@dataclass
+class GGUFWeight:
+    """A GGUF tensor kept as its raw blocks: `data` is what gguf.GGUFReader gives (rows along dim 0:
+    uint8 [N, bytes per row] for quantized types), `shape` the weight's (N, K)."""
+
+    qtype: "gguf.GGMLQuantizationType"  # noqa: F821
+    data: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        from gguf.quants import quant_shape_from_byte_shape
+
+        return tuple(quant_shape_from_byte_shape(self.data.shape, self.qtype)) if self.data.dtype == np.uint8 \
+            else tuple(self.data.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """gguf's own float32 dequantization, one vectorized call over all blocks (gguf.quants.dequantize
+        walks a memory map row group by row group, several times slower)."""
+        from gguf.quants import dequantize
+
+        if self.data.dtype != np.uint8 or self.qtype.name not in _GGUF_QUANTS:
+            return torch.from_numpy(np.require(dequantize(self.data, self.qtype), np.float32, ["C", "W"]))
+        return torch.from_numpy(_dequantize_blocks(self.qtype, self.data).reshape(self.shape))
+
+    def to(self, device=None, dtype=None) -> torch.Tensor:
+        """As a float tensor (the embedding, norms, or a weight the caller wants float)."""
+        return self.dequantize().to(device=device, dtype=dtype)
+
+    def native_format(self) -> str | None:
+        """The kernel format nearest this tensor's own precision: Q4_0/Q4_1/Q4_K -> int4 (codes exact),
+        other quantized types (Q5_x, Q6_K, Q8_0, ...) -> int8 (requantized), float types -> None."""
+        from gguf import GGMLQuantizationType as T
+
+        if self.qtype in (T.Q4_0, T.Q4_1, T.Q4_K):
+            return "int4"
+        return None if self.qtype in (T.F32, T.F16, T.BF16) else "int8"
+
+
+_GGUF_QUANTS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+
+
+def _dequantize_blocks(qtype, data: np.ndarray) -> np.ndarray:
+    """gguf.quants' dequantization of `qtype` applied to all blocks of `data` at once: float32 [blocks, block]."""
+    import gguf.quants
+
+    size = gguf.quants.GGML_QUANT_SIZES[qtype][1]
+    return getattr(gguf.quants, qtype.name).dequantize_blocks(np.ascontiguousarray(data).reshape(-1, size))
+
+
+def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 / Q4_K blocks as int4 groups of 32, without a float round trip of the weights:
+    (q uint8 [N, K], scales, zeros float32 [N, K // 32]) with W = (q - 8) * scale + zero.
+
+    The 4-bit codes are gguf's own: gguf.quants dequantizes a copy of the blocks whose scales are
+    set to 1 and mins to 0, which yields the codes exactly (no nibble order re-derived here).
+      Q4_0: W = d (q - 8)              -> scale d,      zero 0
+      Q4_1: W = d q + m                -> scale d,      zero m + 8 d
+      Q4_K: W = d sc_j q - dmin m_j    -> scale d sc_j, zero 8 d sc_j - dmin m_j  (6-bit sc_j, m_j per 32)
+    In float32 these scales and zeros are exact (fp16 times a 6-bit integer) up to the one rounding
+    of the zero's sum; the kernel reads them in bf16, which is where the repack rounds (see README)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import Q4_K, GGML_QUANT_SIZES
+
+    N, K = w.shape
+    block, size = GGML_QUANT_SIZES[w.qtype]
+    blocks = np.ascontiguousarray(w.data).reshape(-1, size)
+    f16 = lambda a: a.view(np.float16).astype(np.float32).reshape(N, -1)  # noqa: E731
+    unit = blocks.copy()
+    unit[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)  # d = 1
+    if w.qtype == T.Q4_0:
+        scales, zeros = f16(blocks[:, 0:2]), None
+        codes = _dequantize_blocks(w.qtype, unit) + 8
+    elif w.qtype == T.Q4_1:
+        d, m = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+        unit[:, 2:4] = 0  # m = 0
+        scales, zeros = d, m + 8 * d
+        codes = _dequantize_blocks(w.qtype, unit)
+    elif w.qtype == T.Q4_K:
+        d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+        sc, m = (a.astype(np.float32).reshape(N, -1, 8) for a in Q4_K.get_scale_min(blocks[:, 4:16]))
+        scales = (d.reshape(N, -1, 1) * sc).reshape(N, -1)
+        zeros = (8 * d.reshape(N, -1, 1) * sc - dmin.reshape(N, -1, 1) * m).reshape(N, -1)
+        unit[:, 2:4] = 0  # dmin = 0
+        unit[:, 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)  # every sc_j = 1, m_j = 0
+        codes = _dequantize_blocks(w.qtype, unit)
+    else:
+        raise ValueError(f"{w.qtype.name} blocks are not int4 groups (only Q4_0, Q4_1, Q4_K are)")
+    q = torch.from_numpy(codes.reshape(N, K).astype(np.uint8))
+    scales = torch.from_numpy(np.ascontiguousarray(scales, np.float32))
+    zeros = torch.zeros_like(scales) if zeros is None else torch.from_numpy(np.ascontiguousarray(zeros, np.float32))
+    return q, scales, zeros
+
+
+# ---- building a linear from a checkpoint's parts ----------------------------------------------
+PRECISION = ("int4", "int8", None)  # lowest to highest
+
+
+def linear_from_parts(parts: list[torch.Tensor | GGUFWeight], bias: torch.Tensor | None, mode: str | None,
+                      device: torch.device, dtype: torch.dtype, keep_rows: bool = False) -> Linear:
+    """One linear from row blocks fused along the output dim (q/k/v, gate/up): float tensors or
+    GGUF raw blocks. mode None: float in `dtype`; "int4"/"int8": that format, from GGUF Q4 blocks
+    natively where it is int4, else quantized from the float weight; "auto": each GGUF part's
+    native format (float for float parts); parts of different formats fuse in the most precise one."""
+    if mode == "auto":
+        formats = [p.native_format() if isinstance(p, GGUFWeight) else None for p in parts]
+        mode = max(formats, key=PRECISION.index)
+    elif mode not in PRECISION:
+        raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(MODES)} or None")
+    bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if mode == "int4":
+        codes = [gguf_int4_codes(p) if isinstance(p, GGUFWeight) and p.native_format() == "int4"
+                 else int4_codes_from_float(p.to(device, torch.float32)) for p in parts]
+        q, scales, zeros = (torch.cat([c[i] for c in codes]).to(device) for i in range(3))
+        return Int4Linear(q, scales, zeros, INT4_GROUP, bias, keep_rows)
+    weight = torch.cat([p.to(device, torch.float32 if mode else dtype) for p in parts])
+    if mode == "int8":
+        return Int8Linear.from_float(weight, bias)
+    return FloatLinear(weight, bias)

@@ -1,0 +1,188 @@
+"""Weight-only int4 / int8 linears: each kernel against its own dequantized float weight, GGUF
+blocks repacked against gguf's dequantization, and greedy decoding of a quantized model
+against its dequantized float twin.
+
+Tolerance of a product: the kernels take bf16 activations, may round the dequantized weight to
+bf16 on the way (AVX512-BF16 dot products) and return bf16. So y is compared with x (rounded
+to bf16, as the kernel sees it) times the float32 dequantized weight, per output within
+2^-7 * sum_k |x_k W_nk| (a few bf16 roundings of every term, whatever the cancellation) plus
+2^-8 |y| (the output's rounding).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import GGML_QUANT_SIZES, dequantize
+
+from specee.model.llama import Transformer
+from specee.model.quant import (FloatLinear, GGUFWeight, Int4Linear, Int8Linear, gguf_int4_codes,
+                                linear_from_parts)
+
+from conftest import real_model_dir
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+CPU = torch.device("cpu")
+
+
+def assert_kernel_matches(lin, x: torch.Tensor) -> None:
+    xb, W = x.to(torch.bfloat16).float(), lin.dequantize()
+    ref = xb @ W.t()
+    if lin.bias is not None:
+        ref = ref + lin.bias
+    y = lin(x)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    bound = 2 ** -7 * (xb.abs() @ W.abs().t()) + 2 ** -8 * ref.abs()
+    assert ((y - ref).abs() <= bound).all(), f"max excess {float(((y - ref).abs() - bound).max()):.3g}"
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_linear_matches_its_dequantized_weight(mode, bias):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.1
+    b = torch.randn(96) if bias else None
+    lin = linear_from_parts([w[:32], w[32:]], b, mode, CPU, torch.float32, keep_rows=True)  # fused from two parts
+    assert isinstance(lin, Int4Linear if mode == "int4" else Int8Linear)
+    W = lin.dequantize()
+    # the quantization itself: within half a step of the float weight, and not the float weight
+    if mode == "int4":
+        step = lin.scales.float().repeat_interleave(32, dim=1)
+    else:
+        step = lin.scales.float()[:, None].expand_as(W)
+    assert ((W - w).abs() <= 0.5 * step + 1e-6).all() and not torch.equal(W, w)
+    for rows in (1, 3, 8):
+        assert_kernel_matches(lin, torch.randn(rows, 128))
+    assert_kernel_matches(lin, torch.randn(2, 5, 128))  # [B, S, K] as the runtime calls it
+    ids = torch.tensor([[5, 0], [95, 40]])
+    torch.testing.assert_close(lin.rows(ids), W[ids], rtol=0, atol=0)
+    part = lin.take_rows(slice(64, None))  # project_kv's k/v rows
+    torch.testing.assert_close(part.dequantize(), W[64:], rtol=0, atol=0)
+    assert_kernel_matches(part, torch.randn(3, 128))
+
+
+def test_int4_rows_without_kept_nibbles_come_back_through_the_kernel():
+    torch.manual_seed(1)
+    w = torch.randn(64, 64)
+    kept = Int4Linear.from_float(w, keep_rows=True)
+    packed_only = Int4Linear.from_float(w)
+    assert packed_only.nibbles is None
+    torch.testing.assert_close(packed_only.dequantize(), kept.dequantize(), rtol=0, atol=0)
+
+
+def test_bad_shapes_and_modes_are_refused():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int4Linear.from_float(torch.randn(40, 64))
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        linear_from_parts([torch.randn(16, 32)], None, "int3", CPU, torch.float32)
+
+
+# ---- GGUF blocks ---------------------------------------------------------------------------------
+def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
+    """Random raw blocks (every bit pattern of codes, scales and mins), with sane fp16 scale fields."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    fp16_fields = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q8_0: [0], T.Q5_0: [0], T.Q5_1: [0, 2],
+                   T.Q5_K: [0, 2], T.Q6_K: [size - 2]}[qtype]
+    for at in fp16_fields:  # scales around 1e-3 as in real checkpoints, either sign for Q4_1's min
+        value = rng.uniform(2e-4, 4e-3, len(data)).astype(np.float16) * (-1 if at == 2 and qtype == T.Q4_1 else 1)
+        data[:, at:at + 2] = value.view(np.uint8).reshape(-1, 2)
+    return GGUFWeight(qtype, data.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K])
+def test_gguf_q4_blocks_repack_to_int4_codes_exactly(qtype):
+    g = random_blocks(qtype, 48, 512)
+    assert g.shape == (48, 512)
+    ref = torch.from_numpy(dequantize(g.data, qtype))
+    q, scales, zeros = gguf_int4_codes(g)
+    W = (q.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+    if qtype == T.Q4_0:  # d (q - 8): the same float32 product
+        torch.testing.assert_close(W, ref, rtol=0, atol=0)
+    else:  # d q + m regrouped as (q - 8) d + (m + 8 d): float32 reassociation, a few ulp
+        torch.testing.assert_close(W, ref, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(ref.abs().max()))
+    # the kernel's copy reads scale and zero in bf16 (unit roundoff 2^-8): the only rounding, bounded per
+    # weight by 2^-8 (8 |scale| + |zero|)
+    lin = linear_from_parts([g], None, "auto", CPU, torch.float32)
+    assert isinstance(lin, Int4Linear)
+    s, z = scales.repeat_interleave(32, 1), zeros.repeat_interleave(32, 1)
+    bound = 2 ** -8 * (8 * s.abs() + z.abs()) * (1 + 1e-6)
+    err = (lin.dequantize() - ref).abs()
+    assert (err <= bound).all()
+    assert_kernel_matches(lin, torch.randn(4, 512))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K])
+def test_gguf_8_5_6_bit_blocks_map_to_int8_within_half_a_channel_step(qtype):
+    g = random_blocks(qtype, 32, 512, seed=3)
+    ref = g.dequantize()
+    lin = linear_from_parts([g], None, "auto", CPU, torch.float32)
+    assert isinstance(lin, Int8Linear)  # per-block scales do not map to per-channel ones: requantized
+    step = lin.scales.float()[:, None]
+    assert ((lin.dequantize() - ref).abs() <= 0.5 * step * (1 + 1e-3)).all()
+    assert_kernel_matches(lin, torch.randn(2, 512))
+
+
+def test_auto_keeps_float_parts_float_and_fuses_mixed_parts_in_the_finer_format():
+    w = torch.randn(32, 64)
+    assert isinstance(linear_from_parts([w], None, "auto", CPU, torch.float32), FloatLinear)
+    mixed = [random_blocks(T.Q4_K, 256, 256), random_blocks(T.Q6_K, 32, 256)]  # Q4_K_M's q/k + v
+    fused = linear_from_parts(mixed, None, "auto", CPU, torch.float32)
+    assert isinstance(fused, Int8Linear) and fused.out_features == 288
+    assert isinstance(linear_from_parts(mixed, None, "int4", CPU, torch.float32), Int4Linear)
+
+
+# ---- a whole model ---------------------------------------------------------------------------------
+def dequantized_twin(model: Transformer) -> Transformer:
+    """The same model object with every linear replaced by a float one holding its dequantized weight."""
+    import copy
+
+    twin = copy.copy(model)
+    twin.layers = [copy.copy(w) for w in model.layers]
+    for w, t in zip(model.layers, twin.layers):
+        for name in ("qkv", "kv", "o", "gate_up", "down"):
+            lin = getattr(w, name)
+            setattr(t, name, FloatLinear(lin.dequantize().to(model.dtype), lin.bias))
+    twin.head = FloatLinear(model.head.dequantize().to(model.dtype))
+    return twin
+
+
+def greedy_with_margins(model: Transformer, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    cache = model.new_cache(1, len(prompt) + steps)
+    ids, logits = list(prompt), []
+    with torch.inference_mode():
+        h = model.forward(torch.tensor([prompt]), model.range_inputs(0, len(prompt)), cache)[:, -1:]
+        for _ in range(steps):
+            row = model.logits(h)[0, -1]
+            logits.append(row)
+            ids.append(int(row.argmax()))
+            n = len(ids) - 1
+            h = model.forward(torch.tensor([[ids[-1]]]), model.range_inputs(n, 1), cache)
+    return ids[len(prompt):], logits
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_greedy_quantized_model_equals_its_dequantized_float_model(mode):
+    path = real_model_dir("ref-target-24L")
+    model = Transformer.load(path, "cpu", torch.float32, quantization=mode)
+    twin = dequantized_twin(model)
+    prompt = [1, 415, 2936, 9060, 285, 1142, 28723, 13, 1014, 349]
+    prompt = [t % model.cfg.vocab_size for t in prompt]
+    got, got_logits = greedy_with_margins(model, prompt, 24)
+    want, want_logits = greedy_with_margins(twin, prompt, 24)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:  # allowed only where the float logits nearly tie, within the two models' difference
+            diff = float((got_logits[i] - want_logits[i]).abs().max())
+            margin = float(want_logits[i][b] - want_logits[i][a])
+            assert margin <= 2 * diff, f"step {i}: token {a} vs {b}, float margin {margin:.4f} > 2 x {diff:.4f}"
+            break
+        torch.testing.assert_close(got_logits[i], want_logits[i], rtol=0.05, atol=0.1)
+
+
+def test_resident_weight_bytes_shrink():
+    path = real_model_dir("ref-target-24L")
+    sizes = {mode: Transformer.load(path, "cpu", torch.float32, quantization=mode).weight_bytes()
+             for mode in (None, "int8", "int4")}
+    assert sizes["int4"] < sizes["int8"] < sizes[None]
