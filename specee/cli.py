@@ -498,7 +498,7 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
                    help="target layers whose outputs the head reads (default: the last, EAGLE-1; three "
                         "layers, low/middle/high, fuse them as EAGLE-3 does)")
     p.add_argument("--shortlist", type=positive_int, default=None, metavar="N",
-                   help="the head proposes among the N most frequent tokens of the training text (default: 4096)")
+                   help="the head proposes among the N most frequent tokens of the training text (default: a quarter of the vocabulary, at most 4096)")
     p.add_argument("--data", metavar="PATH", default=None,
                    help="training text: alpaca .json / {text} .jsonl file or directory (default: ../shared/data/calibration)")
     p.add_argument("--resume", action="store_true", help="continue the training checkpoint in HEAD_DIR")

@@ -27,7 +27,11 @@ from .record import Record, record, training_sequences
 
 CHECKPOINT_DIR = "checkpoint"
 RECIPE_NAME = "eagle-ttt-v1"
-DEFAULT_SHORTLIST = 4096  # FR-Spec: 4k of the most frequent tokens (or the whole vocabulary if smaller)
+MAX_DEFAULT_SHORTLIST = 4096  # FR-Spec: a quarter of the vocabulary by frequency, at most 4k tokens
+
+
+def default_shortlist_size(vocab_size: int) -> int:
+    return max(1, min(MAX_DEFAULT_SHORTLIST, vocab_size // 4))
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,7 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
                              f"not {shortlist_size}; resume without --shortlist")
     else:
         recipe = recipe or Recipe()
-        size = min(shortlist_size or DEFAULT_SHORTLIST, cfg.vocab_size)
+        size = min(shortlist_size or default_shortlist_size(cfg.vocab_size), cfg.vocab_size)
         head_cfg = EagleHeadConfig.for_target(cfg, feature_layers, size)
     torch.manual_seed(recipe.seed)
 
