@@ -38,7 +38,7 @@ def default_shortlist_size(vocab_size: int) -> int:
 class Recipe:
     lr: float = 2e-3
     weight_decay: float = 0.01
-    batch_tokens: int = 2048  # rows per optimizer step (sequences of similar length, padded)
+    batch_tokens: int = 1024  # rows per optimizer step (sequences of similar length, padded)
     max_len: int = 512  # longer documents are cut into pieces of this many tokens
     unroll: int = 2  # draft steps trained per position (training-time test)
     step_decay: float = 0.8  # loss weight of step m: step_decay ** (m - 1)
@@ -169,6 +169,8 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
     deadline = t_start + minutes * 60
     llm = model if isinstance(model, LLM) else LLM(model, device=device, dtype="float32", progress=progress)
     target, cfg = llm.model, llm.model.cfg
+    if target.dtype != torch.float32:
+        raise ValueError(f"the head trains in float32; load the target with dtype='float32' (it is {target.dtype})")
     output = Path(output)
     ckpt = output / CHECKPOINT_DIR
     state = _read_state(ckpt, llm.fingerprint) if resume else None
