@@ -190,7 +190,6 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
         recipe = recipe or Recipe()
         size = min(shortlist_size or default_shortlist_size(cfg.vocab_size), cfg.vocab_size)
         head_cfg = EagleHeadConfig.for_target(cfg, feature_layers, size)
-    torch.manual_seed(recipe.seed)
 
     if state is not None:
         rec = Record.load(ckpt / "record.safetensors")
@@ -216,42 +215,9 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
             p.requires_grad_(True)
         optimizer = _optimizer(head, recipe)
         done = {"steps": 0, "train_seconds": 0.0, "tokens": 0}
+    steps_before = done["steps"]
     last = rec.last_hidden(head_cfg.feature_layers, cfg.num_layers)
-    gen = torch.Generator(device=target.device).manual_seed(recipe.seed + done["steps"])
-    train_start, steps_before, last_ckpt = time.monotonic(), done["steps"], time.monotonic()
-    budget = max(deadline - train_start, 1e-6)
-    bar = tqdm(desc="training draft head", unit="step", disable=not progress,
-               total=recipe.max_steps - done["steps"] if recipe.max_steps else None)
-    while time.monotonic() < deadline and (recipe.max_steps is None or done["steps"] < recipe.max_steps):
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.seed + done["steps"]))
-        for group in batches_of(rec, [train[i] for i in order.tolist()], recipe.batch_tokens):
-            if time.monotonic() >= deadline or (recipe.max_steps is not None and done["steps"] >= recipe.max_steps):
-                break
-            frac = min((time.monotonic() - train_start) / budget, 1.0)
-            warm = min(1.0, (done["steps"] + 1) / recipe.warmup_steps)
-            for g in optimizer.param_groups:
-                g["lr"] = recipe.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-            batch = make_batch(rec, group, last, target.device)
-            outs = unrolled_outputs(head, batch, recipe.unroll, recipe.feature_noise, gen)
-            loss = torch.zeros((), device=target.device)
-            for m, h in enumerate(outs, start=1):
-                t = step_terms(head, h, batch, m, recipe)
-                loss = loss + recipe.step_decay ** (m - 1) * t["loss"] / t["rows"].clamp_min(1)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(head.params.values()), 1.0)
-            optimizer.step()
-            done["steps"] += 1
-            done["tokens"] += int(batch["valid"].sum())
-            bar.update(1)
-            if done["steps"] % 10 == 0:  # a device read: not every step
-                bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-            if time.monotonic() - last_ckpt > recipe.checkpoint_seconds:
-                _save_checkpoint(ckpt, head, optimizer, recipe, done, time.monotonic() - train_start)
-                last_ckpt = time.monotonic()
-    bar.close()
-    elapsed_training = time.monotonic() - train_start
-    _save_checkpoint(ckpt, head, optimizer, recipe, done, elapsed_training)
+    _train_steps(head, optimizer, rec, last, train, recipe, done, deadline, ckpt, progress)
     metrics = evaluate(head, rec, held, recipe, cfg.num_layers)
     manifest_extra = {
         "recipe": RECIPE_NAME, "training": asdict(recipe), "target": str(llm.model_dir),
@@ -268,6 +234,51 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
     }
     head.save(output, manifest_extra)
     return head.manifest(manifest_extra)
+
+
+def _train_steps(head: EagleHead, optimizer: torch.optim.AdamW, rec: Record, last: torch.Tensor, train: list[int],
+                 recipe: Recipe, done: dict, deadline: float, ckpt: Path, progress: bool) -> None:
+    """Optimizer steps over shuffled epochs of `train` until the deadline (or recipe.max_steps); warmup,
+    then cosine decay to a tenth over the remaining time; checkpoints every recipe.checkpoint_seconds
+    and at the end. Updates `done` (steps, tokens)."""
+    device = head.target.device
+    gen = torch.Generator(device=device).manual_seed(recipe.seed + done["steps"])
+    train_start = last_ckpt = time.monotonic()
+    budget = max(deadline - train_start, 1e-6)
+
+    def more() -> bool:
+        return time.monotonic() < deadline and (recipe.max_steps is None or done["steps"] < recipe.max_steps)
+
+    bar = tqdm(desc="training draft head", unit="step", disable=not progress,
+               total=recipe.max_steps - done["steps"] if recipe.max_steps else None)
+    while more():
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.seed + done["steps"]))
+        for group in batches_of(rec, [train[i] for i in order.tolist()], recipe.batch_tokens):
+            if not more():
+                break
+            frac = min((time.monotonic() - train_start) / budget, 1.0)
+            warm = min(1.0, (done["steps"] + 1) / recipe.warmup_steps)
+            for g in optimizer.param_groups:
+                g["lr"] = recipe.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+            batch = make_batch(rec, group, last, device)
+            loss = torch.zeros((), device=device)
+            for m, h in enumerate(unrolled_outputs(head, batch, recipe.unroll, recipe.feature_noise, gen), start=1):
+                t = step_terms(head, h, batch, m, recipe)
+                loss = loss + recipe.step_decay ** (m - 1) * t["loss"] / t["rows"].clamp_min(1)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(head.params.values()), 1.0)
+            optimizer.step()
+            done["steps"] += 1
+            done["tokens"] += int(batch["valid"].sum())
+            bar.update(1)
+            if done["steps"] % 10 == 0:  # a device read: not every step
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+            if time.monotonic() - last_ckpt > recipe.checkpoint_seconds:
+                _save_checkpoint(ckpt, head, optimizer, recipe, done, time.monotonic() - train_start)
+                last_ckpt = time.monotonic()
+    bar.close()
+    _save_checkpoint(ckpt, head, optimizer, recipe, done, time.monotonic() - train_start)
 
 
 def _coverage(rec: Record, seqs: list[int], shortlist: torch.Tensor) -> float:

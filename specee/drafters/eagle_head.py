@@ -190,6 +190,7 @@ class EagleHead:
         tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in self.params.items()}
         tmp = weights.with_name(weights.name + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+        tmp.chmod(0o644)  # safetensors writes it private; a head is not secret
         os.replace(tmp, weights)
         m = self.manifest(manifest_extra)
         m["weights_sha256"] = _sha256(weights)
