@@ -215,6 +215,7 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
             p.requires_grad_(True)
         optimizer = _optimizer(head, recipe)
         done = {"steps": 0, "train_seconds": 0.0, "tokens": 0}
+        _save_checkpoint(ckpt, head, optimizer, recipe, done, 0.0)  # resumable from here on, even if interrupted
     steps_before = done["steps"]
     last = rec.last_hidden(head_cfg.feature_layers, cfg.num_layers)
     _train_steps(head, optimizer, rec, last, train, recipe, done, deadline, ckpt, progress)
