@@ -1,0 +1,159 @@
+"""Training data for a draft head: the target's features and next-token distributions over text.
+
+A teacher-forced pass (no generation: on a CPU it is far cheaper, and EAGLE itself trains on
+fixed conversations) runs specee's own runtime layer by layer over batches of right-padded
+sequences (causal attention: a valid row never reads the padding after it) and keeps, for every
+position: the outputs of `feature_layers`, the last layer's output (the head's regression
+target), the target's argmax over the whole vocabulary, and its top-k probabilities over the
+FR-Spec shortlist (the head's soft labels).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..exit.calibrate import default_calibration_dir
+from ..model.llama import Transformer
+
+
+# ---- text -------------------------------------------------------------------------------------
+def training_sequences(tokenizer, data: str | Path | None = None, max_len: int = 512) -> list[list[int]]:
+    """Token sequences of the calibration text (default: ../shared/data/calibration): alpaca-style
+    {instruction, input, output} records rendered as a user/assistant exchange with the chat template
+    (raw "instruction\\n\\noutput" without one), {"text"} records as raw text; each cut into pieces of
+    at most `max_len` tokens."""
+    path = Path(data) if data is not None else default_calibration_dir()
+    if path is None or not path.exists():
+        raise FileNotFoundError(f"training text not found: {data or '../shared/data/calibration'}")
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl")) if path.is_dir() else [path]
+    seqs: list[list[int]] = []
+    for file in files:
+        try:
+            text = file.read_text()
+            records = [json.loads(x) for x in text.splitlines() if x.strip()] if file.suffix == ".jsonl" else json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file}: cannot read training text ({e})") from None
+        for rec in records if isinstance(records, list) else []:
+            ids = _encode_record(tokenizer, rec) if isinstance(rec, dict) else None
+            if ids:
+                seqs.extend(ids[i : i + max_len] for i in range(0, len(ids), max_len))
+    seqs = [s for s in seqs if len(s) >= 4]
+    if not seqs:
+        raise ValueError(f"{path}: no training text found (expected alpaca-style {{instruction, input, output}} "
+                         "or {text} records in .json/.jsonl files)")
+    return seqs
+
+
+def _encode_record(tokenizer, rec: dict) -> list[int] | None:
+    if rec.get("instruction") and rec.get("output"):
+        user = rec["instruction"].strip()
+        if (rec.get("input") or "").strip():
+            user += "\n\n" + rec["input"].strip()
+        if tokenizer.chat_template is None:
+            return tokenizer.encode(user + "\n\n" + rec["output"].strip())
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"].strip()}]
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False),
+                                add_special_tokens=False)
+    if isinstance(rec.get("text"), str) and rec["text"].strip():
+        return tokenizer.encode(rec["text"].strip())
+    return None
+
+
+# ---- the record -------------------------------------------------------------------------------
+@dataclass
+class Record:
+    """Per position n of the concatenated sequences (sequence i holds rows starts[i]:starts[i+1])."""
+
+    starts: torch.Tensor  # [num_seqs + 1] long
+    sources: torch.Tensor  # [num_seqs] long: each sequence's index in the list given to `record`
+    tokens: torch.Tensor  # [N] long: the input token at n
+    features: torch.Tensor  # [N, W]: outputs of the feature layers at n, concatenated
+    last: torch.Tensor  # [N, H] (or [0] when the last layer is a feature layer): last layer's output at n
+    argmax: torch.Tensor  # [N] long: the target's next token after n (whole vocabulary)
+    top_cols: torch.Tensor  # [N, K] long: shortlist columns of its top-k shortlisted tokens
+    top_probs: torch.Tensor  # [N, K] float: their probabilities, renormalized to sum 1
+
+    def last_hidden(self, feature_layers: tuple[int, ...], num_layers: int) -> torch.Tensor:
+        """[N, H]: the last layer's output (a view of `features` when it is one of them)."""
+        if num_layers - 1 not in feature_layers:
+            return self.last
+        H = self.features.shape[1] // len(feature_layers)
+        k = feature_layers.index(num_layers - 1)
+        return self.features[:, k * H : (k + 1) * H]
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({f.name: getattr(self, f.name).contiguous() for f in fields(self)}, str(tmp))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Record":
+        from safetensors.torch import load_file
+
+        t = load_file(str(path))
+        return cls(**{f.name: t[f.name] for f in fields(cls)})
+
+
+@torch.no_grad()
+def record(model: Transformer, sequences: list[list[int]], feature_layers: tuple[int, ...], shortlist: torch.Tensor,
+           top_k: int = 8, batch_tokens: int = 4096, store_dtype: torch.dtype = torch.bfloat16,
+           deadline: float | None = None, seed: int = 0, progress: bool = True) -> Record:
+    """Teacher-forced pass over `sequences`, batched by similar length, the batches in a seeded random
+    order; stops after the batch that passes `deadline` (time.monotonic()), so a partial record is an
+    unbiased sample."""
+    L = model.cfg.num_layers
+    dev = model.device
+    keep_last = L - 1 not in feature_layers
+    shortlist = shortlist.to(dev)
+    k = min(top_k, len(shortlist))
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    batches, i = [], 0
+    while i < len(order):
+        width = len(sequences[order[i]])
+        n = max(1, batch_tokens // width)
+        batches.append(order[i : i + n])
+        i += n
+    shuffle = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
+    batches = [batches[b] for b in shuffle]
+    parts: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields(Record) if f.name not in ("starts", "sources")}
+    covered: list[int] = []
+    bar = tqdm(total=sum(len(sequences[j]) for j in order), desc="recording target features", unit="tok",
+               disable=not progress)
+    for batch in batches:
+        rows = [sequences[j] for j in batch]
+        T = len(rows[0])
+        ids = torch.tensor([r + [0] * (T - len(r)) for r in rows], device=dev)
+        valid = (torch.arange(T)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).reshape(-1).to(dev)
+        cache = model.new_cache(len(rows), T)
+        step = model.range_inputs(0, T)
+        h = model.embed(ids)
+        kept: dict[int, torch.Tensor] = {}
+        for layer in range(L):
+            h = model.layer(layer, h, step, cache)
+            if layer in feature_layers:
+                kept[layer] = h.reshape(-1, h.shape[-1])[valid]
+        last = h.reshape(-1, h.shape[-1])[valid]
+        logits = model.logits(last).float()
+        probs = torch.softmax(logits, dim=-1)
+        top_probs, top_cols = torch.topk(probs.index_select(1, shortlist), k)  # the softmax is the whole vocabulary's
+        parts["tokens"].append(ids.reshape(-1)[valid].cpu())
+        parts["features"].append(torch.cat([kept[i] for i in feature_layers], -1).to("cpu", store_dtype))
+        parts["last"].append(last.to("cpu", store_dtype) if keep_last else torch.zeros(0, dtype=store_dtype))
+        parts["argmax"].append(logits.argmax(-1).cpu())
+        parts["top_cols"].append(top_cols.cpu())
+        parts["top_probs"].append((top_probs / top_probs.sum(-1, keepdim=True).clamp_min(1e-12)).cpu())
+        covered.extend(batch)
+        bar.update(int(valid.sum()))
+        if deadline is not None and time.monotonic() > deadline:
+            break
+    bar.close()
+    lengths = torch.tensor([0] + [len(sequences[j]) for j in covered])
+    return Record(starts=lengths.cumsum(0), sources=torch.tensor(covered, dtype=torch.long),
+                  **{n: torch.cat(p) for n, p in parts.items()})
