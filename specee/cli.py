@@ -508,6 +508,59 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- specee train-draft --------------------------------------------------------------------
+def layer_list(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in value.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices like '2,12,23', got {value!r}") from None
+
+
+def add_train_draft_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("train-draft", help="train an EAGLE-style draft head for a target",
+                       description="Record the target's features over calibration text (teacher-forced), train "
+                                   "a one-layer EAGLE head on them within a time budget and save it to -o "
+                                   "(head.safetensors + manifest.json; resumable state in -o/checkpoint).")
+    add_model_args(p)
+    p.add_argument("-o", "--output", metavar="HEAD_DIR", required=True, help="directory to write the head to")
+    p.add_argument("--minutes", type=float, default=5.0, metavar="M",
+                   help="time budget for recording and training (default: 5)")
+    p.add_argument("--feature-layers", type=layer_list, default=None, metavar="I,J,K",
+                   help="target layers whose outputs the head reads (default: the last, EAGLE-1; three "
+                        "layers, low/middle/high, fuse them as EAGLE-3 does)")
+    p.add_argument("--shortlist", type=positive_int, default=None, metavar="N",
+                   help="the head proposes among the N most frequent tokens of the training text (default: a quarter of the vocabulary, at most 4096)")
+    p.add_argument("--data", metavar="PATH", default=None,
+                   help="training text: alpaca .json / {text} .jsonl file or directory (default: ../shared/data/calibration)")
+    p.add_argument("--resume", action="store_true", help="continue the training checkpoint in HEAD_DIR")
+    p.add_argument("--json", action="store_true", help="print the manifest (without the shortlist) as JSON")
+    p.set_defaults(func=cmd_train_draft)
+    return p
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from .calibration import train_draft
+
+    if args.minutes <= 0:
+        raise CLIError(f"--minutes must be positive, got {args.minutes}")
+    if args.dtype not in ("auto", "float32"):
+        raise CLIError("train-draft trains in float32; leave --dtype out")
+    args.dtype = "float32"
+    llm = load_llm(args)
+    m = train_draft(llm, args.output, minutes=args.minutes, feature_layers=args.feature_layers,
+                    shortlist_size=args.shortlist, resume=args.resume, data=args.data)
+    m.pop("shortlist")
+    if args.json:
+        print(json.dumps(m))
+    else:
+        top1, top4 = m["held_out_top1"], m["held_out_top4"]
+        print(f"head for {m['target']} (layers {m['feature_layers']}, shortlist {m['config']['shortlist_size']}): "
+              f"{m['steps']} steps; held-out top-1 {', '.join(f'{x:.3f}' for x in top1)}, "
+              f"top-4 {', '.join(f'{x:.3f}' for x in top4)} (draft steps 1..{len(top1)})")
+        print(f"head written to {args.output}", file=sys.stderr)
+    return 0
+
+
 # ---- entry point ---------------------------------------------------------------------------
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser as add
@@ -516,7 +569,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
 
 
 SUBCOMMANDS: list[Callable[[Any], argparse.ArgumentParser]] = [
-    add_generate_parser, add_chat_parser, add_info_parser, add_calibrate_parser, add_bench_parser]
+    add_generate_parser, add_chat_parser, add_info_parser, add_calibrate_parser, add_bench_parser,
+    add_train_draft_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

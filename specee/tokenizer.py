@@ -1,7 +1,8 @@
-"""Tokenizer, chat template and incremental detokenization for a checkpoint directory.
+"""Tokenizer, chat template and incremental detokenization for a checkpoint directory or GGUF file.
 
-Wraps the `tokenizers` library (the same `tokenizer.json` transformers uses) and renders
-the checkpoint's Jinja chat template the way transformers does.
+Wraps the `tokenizers` library (the same `tokenizer.json` transformers uses; for a GGUF, the
+tokenizer transformers converts from its metadata) and renders the Jinja chat template the way
+transformers does.
 """
 from __future__ import annotations
 
@@ -22,20 +23,18 @@ def _token_text(value: Any) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
-        model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{model_dir}: no tokenizer.json (specee needs a fast-tokenizer file)")
-        self.tok = HFTokenizer.from_file(str(path))
-        config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    """source: a checkpoint directory (tokenizer.json, tokenizer_config.json) or a .gguf file."""
+
+    def __init__(self, source: str | Path):
+        source = Path(source)
+        if source.suffix.lower() == ".gguf":
+            self.tok, config, template = _read_gguf(source)
+        else:
+            self.tok, config, template = _read_directory(source)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.pad_token = _token_text(config.get("pad_token"))
         self.unk_token = _token_text(config.get("unk_token"))
-        template_file = model_dir / "chat_template.jinja"
-        template = template_file.read_text() if template_file.exists() else config.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
@@ -83,6 +82,32 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         # The template already places any special tokens; transformers encodes it without adding more.
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _read_directory(model_dir: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{model_dir}: no tokenizer.json (specee needs a fast-tokenizer file)")
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    template_file = model_dir / "chat_template.jinja"
+    template = template_file.read_text() if template_file.exists() else config.get("chat_template")
+    return HFTokenizer.from_file(str(path)), config, template
+
+
+def _read_gguf(path: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:
+    """The tokenizer transformers converts from a GGUF's metadata (vocabulary, merges, pre-tokenizer,
+    special tokens, chat template): the same conversion `AutoTokenizer.from_pretrained(gguf_file=)` runs."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ImportError("reading the tokenizer of a GGUF file needs transformers: pip install 'specee[gguf]'") from None
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise ValueError(f"{path}: cannot build the tokenizer from the GGUF metadata ({' '.join(str(e).split())})") from None
+    specials = {k: getattr(hf, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return hf.backend_tokenizer, specials, hf.chat_template
 
 
 class IncrementalDetokenizer:

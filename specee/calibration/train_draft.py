@@ -27,14 +27,18 @@ from .record import Record, record, training_sequences
 
 CHECKPOINT_DIR = "checkpoint"
 RECIPE_NAME = "eagle-ttt-v1"
-DEFAULT_SHORTLIST = 4096  # FR-Spec: 4k of the most frequent tokens (or the whole vocabulary if smaller)
+MAX_DEFAULT_SHORTLIST = 4096  # FR-Spec: a quarter of the vocabulary by frequency, at most 4k tokens
+
+
+def default_shortlist_size(vocab_size: int) -> int:
+    return max(1, min(MAX_DEFAULT_SHORTLIST, vocab_size // 4))
 
 
 @dataclass(frozen=True)
 class Recipe:
     lr: float = 2e-3
     weight_decay: float = 0.01
-    batch_tokens: int = 2048  # rows per optimizer step (sequences of similar length, padded)
+    batch_tokens: int = 1024  # rows per optimizer step (sequences of similar length, padded)
     max_len: int = 512  # longer documents are cut into pieces of this many tokens
     unroll: int = 2  # draft steps trained per position (training-time test)
     step_decay: float = 0.8  # loss weight of step m: step_decay ** (m - 1)
@@ -165,6 +169,8 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
     deadline = t_start + minutes * 60
     llm = model if isinstance(model, LLM) else LLM(model, device=device, dtype="float32", progress=progress)
     target, cfg = llm.model, llm.model.cfg
+    if target.dtype != torch.float32:
+        raise ValueError(f"the head trains in float32; load the target with dtype='float32' (it is {target.dtype})")
     output = Path(output)
     ckpt = output / CHECKPOINT_DIR
     state = _read_state(ckpt, llm.fingerprint) if resume else None
@@ -182,7 +188,7 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
                              f"not {shortlist_size}; resume without --shortlist")
     else:
         recipe = recipe or Recipe()
-        size = min(shortlist_size or DEFAULT_SHORTLIST, cfg.vocab_size)
+        size = min(shortlist_size or default_shortlist_size(cfg.vocab_size), cfg.vocab_size)
         head_cfg = EagleHeadConfig.for_target(cfg, feature_layers, size)
     torch.manual_seed(recipe.seed)
 
@@ -238,7 +244,8 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
             done["steps"] += 1
             done["tokens"] += int(batch["valid"].sum())
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            if done["steps"] % 10 == 0:  # a device read: not every step
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
             if time.monotonic() - last_ckpt > recipe.checkpoint_seconds:
                 _save_checkpoint(ckpt, head, optimizer, recipe, done, time.monotonic() - train_start)
                 last_ckpt = time.monotonic()

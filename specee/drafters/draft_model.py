@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.llama import Transformer
+from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams, probabilities
 from ..tokenizer import Tokenizer
@@ -40,9 +41,7 @@ class DraftModelDrafter(Drafter):
         demand; `reset(prompt, max_new_tokens)` sizes it for a request). vocab_size: the
         target's vocabulary rows (proposals are restricted to ids below it; default: the
         tokenizer's vocabulary size)."""
-        self.model_dir = Path(model_dir)
-        if not self.model_dir.is_dir():
-            raise FileNotFoundError(f"draft model directory not found: {self.model_dir}")
+        self.model_dir = resolve_model(model_dir, what="draft model")  # a checkpoint directory or a .gguf file
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         draft_tokenizer = Tokenizer(self.model_dir)

@@ -76,6 +76,16 @@ def _param_shapes(cfg: EagleHeadConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _layer_weights(params: dict[str, torch.Tensor]) -> LayerWeights:
+    """The head's layer in the runtime's LayerWeights form (the tensors themselves: gradients reach them)."""
+    return LayerWeights(qkv_bias=None, o_bias=None, **{f: params[f] for f in _LAYER_FIELDS})
+
+
+def _lm_head_rows(target: Transformer, shortlist: torch.Tensor) -> torch.Tensor:
+    """[shortlist, H]: the target's LM head rows of the shortlist, gathered once."""
+    return target.lm_head_weight.index_select(0, shortlist)
+
+
 class EagleHead:
     """The head's own weights are `params` (name -> tensor); the target's embedding, final norm and
     LM head are used in place. `params` may require grad: training runs the same `forward`."""
@@ -106,17 +116,20 @@ class EagleHead:
         self.runtime = object.__new__(Transformer)
         self.runtime.cfg = _layer_config(tc, config)
         self.runtime.device, self.runtime.dtype = target.device, target.dtype
-        self.runtime.layers = [LayerWeights(qkv_bias=None, o_bias=None, **{f: params[f] for f in _LAYER_FIELDS})]
-        self.lm_head_rows = target.lm_head_weight.index_select(0, shortlist)  # [shortlist, H], once
+        self.runtime.layers = [_layer_weights(params)]
+        self.lm_head_rows = _lm_head_rows(target, shortlist)
         self._fuse = params.get("fuse")
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def init_random(cls, target: Transformer, config: EagleHeadConfig, shortlist: torch.Tensor, seed: int = 0,
                     target_fingerprint: str = "") -> "EagleHead":
-        """Fresh weights: normal(0, 1/sqrt(fan_in)) matrices (the output projections scaled down, so the
-        layer starts near the identity), norms at 1."""
+        """Fresh weights that start the head at "the target's feature passes through": fc is the identity
+        on the feature half (normal(0, 1/sqrt(fan_in)) on the embedding half), fuse the identity on the
+        highest feature layer's block, the layer's output projections small; so the output starts in the
+        target's last-layer space (the regression target's scale) and training learns the step ahead."""
         gen = torch.Generator().manual_seed(seed)
+        H = config.hidden_size
         params = {}
         for name, shape in _param_shapes(config).items():
             if len(shape) == 1:
@@ -125,6 +138,12 @@ class EagleHead:
                 p = torch.randn(shape, generator=gen) / shape[1] ** 0.5
                 if name in ("o", "down"):
                     p *= 0.1
+                if name == "fc":
+                    p[:, :H] = torch.eye(H)
+                if name == "fuse":
+                    high = config.feature_layers.index(max(config.feature_layers))
+                    p.zero_()
+                    p[:, high * H : (high + 1) * H] = torch.eye(H)
             params[name] = p.to(device=target.device, dtype=target.dtype)
         return cls(target, config, shortlist, params, target_fingerprint)
 

@@ -15,6 +15,7 @@ from ..drafters.ngram import NGramDrafter
 from ..exit.bank import PredictorBank
 from ..exit.calibrate import calibrate, load_calibration_prompts
 from ..model.llama import Transformer
+from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -40,10 +41,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
-def load_eos_ids(model_dir: Path, model: Transformer, tokenizer: Tokenizer) -> frozenset[int]:
+def load_eos_ids(model_path: Path, model: Transformer, tokenizer: Tokenizer) -> frozenset[int]:
+    """The config's eos ids (a GGUF's eos and eot), generation_config.json's, and the tokenizer's eos."""
     ids = set(model.cfg.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
+    gen = model_path / "generation_config.json"
+    if model_path.is_dir() and gen.exists():
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
     if tokenizer.eos_token_id is not None:
@@ -64,17 +66,18 @@ class _Cancelled(Exception):
 class LLM:
     """A loaded target model; with `early_exit`, decoding uses SpecEE early exiting.
 
-    early_exit: an EarlyExitConfig. Its bank is loaded (and checked against this target and
-    drafter); without one, a bank is calibrated once and cached under ~/.cache/specee/banks,
-    keyed by the target's and drafter's fingerprints.
+    model: a checkpoint directory, a .gguf file (or a directory holding one), or a Hugging Face hub
+    id (`revision` picks a branch, tag or commit). early_exit: an EarlyExitConfig. Its bank is
+    loaded (and checked against this target and drafter); without one, a bank is calibrated once
+    and cached under ~/.cache/specee/banks, keyed by the target's and drafter's fingerprints and the dtype.
     speculative_config: draft-and-verify speculative decoding, as in vLLM:
     {"method": "eagle" | "draft_model" | "ngram", "model": DIR, "num_speculative_tokens": N}.
     """
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
-                 early_exit: EarlyExitConfig | None = None, progress: bool = True,
+                 early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
                  speculative_config: dict | None = None):
-        self.model_dir = Path(model)
+        self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
         dev = torch.device(device)
         self.model = Transformer.load(self.model_dir, dev, resolve_dtype(dtype, dev))
         self.tokenizer = Tokenizer(self.model_dir)
@@ -120,9 +123,10 @@ class LLM:
         self.early_exit = EarlyExitDecoder(self.model, drafter, bank.to(self.model.device, self.model.dtype), config)
 
     def bank_cache_path(self, drafter: Drafter, k: int) -> Path:
-        """Where the bank for this target + drafter + k is cached; the suffix names the calibration
-        recipe, so banks cached by an older recipe are not reused."""
-        return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{BANK_RECIPE}"
+        """Where the bank for this target + drafter + k + dtype is cached; the suffix names the
+        calibration recipe, so banks cached by an older recipe are not reused."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{dtype}-{BANK_RECIPE}"
 
     def cached_bank(self, drafter: Drafter, k: int) -> PredictorBank:
         """The bank for this target + drafter from the user's cache, calibrating it on first use."""

@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 class UnsupportedModelError(ValueError):
@@ -62,6 +63,9 @@ class ModelConfig:
                 f"{source}: unsupported architecture {arch!r} (model_type {raw.get('model_type')!r}); "
                 f"specee supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
+        missing = [key for key in REQUIRED_KEYS if key not in raw]
+        if missing:
+            raise ValueError(f"{source}: missing required key(s) {', '.join(missing)}")
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"{source}: unsupported hidden_act {raw['hidden_act']!r} (only 'silu')")
         if raw.get("mlp_bias", False):

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .rope import apply_rope, rope_tables, signed_sin
-from .weights import CheckpointError, check_config_fits, read_state_dict, take
+from .gguf import config_from_gguf, open_gguf, read_gguf_state_dict
+from .resolve import is_gguf, local_model
+from .weights import check_config_fits, read_state_dict, take
 
 
 @dataclass
@@ -89,14 +91,15 @@ class Transformer:
         self.slot_ids = torch.arange(cfg.max_position_embeddings, device=device)
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Transformer":
-        model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model directory not found: {model_dir}")
-        if not (model_dir / "config.json").exists():
-            raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
-        cfg = ModelConfig.from_file(model_dir / "config.json")
-        return cls(cfg, read_state_dict(model_dir), torch.device(device), dtype, model_dir)
+    def load(cls, source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Transformer":
+        """source: a checkpoint directory (config.json + safetensors), a .gguf file, or a directory holding one."""
+        path = local_model(source)
+        if is_gguf(path):
+            reader = open_gguf(path)
+            cfg = config_from_gguf(reader, path)
+            return cls(cfg, read_gguf_state_dict(reader, cfg, path, dtype), torch.device(device), dtype, path)
+        cfg = ModelConfig.from_file(path / "config.json")
+        return cls(cfg, read_state_dict(path), torch.device(device), dtype, path)
 
     # ---- pieces of a forward pass -------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:

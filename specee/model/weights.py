@@ -1,11 +1,14 @@
 """Reading a Hugging Face checkpoint directory's safetensors weights (single or sharded)."""
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
 
@@ -34,27 +37,44 @@ def find_weight_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json found")
 
 
+@contextmanager
+def open_safetensors(file: Path) -> Iterator:
+    """safe_open, with a truncated or corrupt file reported as a one-line CheckpointError."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt: {e})") from None
+
+
 def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in find_weight_files(model_dir):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     return tensors
 
 
-def fingerprint_weights(model_dir: Path) -> str:
-    """A cheap identity for a checkpoint: config plus weight file names and sizes (no hashing of GBs)."""
-    import hashlib
+def fingerprint_weights(path: Path) -> str:
+    """A cheap identity for a checkpoint directory or GGUF file: its configuration plus strided samples
+    of several tensors' values (a few KB read, not the GBs of the whole file)."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        from .gguf import fingerprint_gguf
 
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for file in find_weight_files(model_dir):
+        return fingerprint_gguf(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for file in find_weight_files(path):
         h.update(f"{file.name}:{file.stat().st_size}".encode())
-        with safe_open(str(file), framework="pt") as f:  # the tensor names and one slice of values
+        with open_safetensors(file) as f:
             names = sorted(f.keys())
             h.update("\n".join(names).encode())
-            first = f.get_slice(names[0])
-            h.update(first[: min(4, first.get_shape()[0])].float().numpy().tobytes())
+            for name in names[:: max(1, len(names) // 8)]:  # about 8 tensors, spread over the layers
+                tensor = f.get_slice(name)
+                rows = tensor.get_shape()[0] if tensor.get_shape() else 0
+                for row in range(0, rows, max(1, rows // 8)):  # about 8 rows each
+                    h.update(tensor[row : row + 1].float().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -1,0 +1,224 @@
+"""Reading GGUF checkpoints (llama.cpp's format): config from the metadata, tensors dequantized.
+
+The file is memory-mapped with `gguf.GGUFReader` and every tensor is dequantized with
+`gguf.quants.dequantize` into float32, then renamed to the Hugging Face names the
+Transformer constructor takes. Two llama.cpp conventions are undone on the way:
+
+* names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight` (`gguf_tensor_map`);
+* llama-architecture files store the Q and K projections with their rows permuted per head
+  (convert_hf_to_gguf.py's `permute`, for llama.cpp's interleaved RoPE); `unpermute_rows` puts
+  them back in the half-split order specee's RoPE uses. qwen2 files are written unpermuted.
+
+Both helpers work on raw quantized blocks too (any array whose dim 0 is output rows), so a
+loader that keeps the weights quantized can reuse them.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import ModelConfig, UnsupportedModelError
+from .weights import CheckpointError
+
+# GGUF `general.architecture` -> the transformers class name specee's ModelConfig uses
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+PERMUTED_QK = {"llama"}  # architectures whose converter permutes attn_q / attn_k rows
+
+_LAYER_TENSORS = {  # GGUF per-block name -> HF per-layer name
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_QKV_BIASES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+               "attn_v.bias": "self_attn.v_proj.bias"}
+_O_BIAS = {"attn_output.bias": "self_attn.o_proj.bias"}
+
+
+def _supported_types() -> frozenset:
+    """Tensor types the gguf package can dequantize (plain float types plus its quant kernels)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import _type_traits
+
+    return frozenset({T.F32, T.F16, *_type_traits})
+
+
+def open_gguf(path: str | Path):
+    """A memory-mapped GGUFReader (kept for a few files: parsing a vocabulary's metadata takes seconds);
+    a truncated or corrupt file is a one-line CheckpointError."""
+    path = Path(path)
+    stat = path.stat()
+    return _open_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path, _mtime_ns: int, _size: int):
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ImportError("reading GGUF files needs the gguf package: pip install 'specee[gguf]'") from None
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt: {detail})") from None
+
+
+def metadata(reader) -> dict[str, Any]:
+    """The scalar and string metadata (arrays such as the vocabulary are left out)."""
+    from gguf import GGUFValueType
+
+    out = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == GGUFValueType.ARRAY:
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def config_from_gguf(reader, source: str | Path) -> ModelConfig:
+    """ModelConfig from a GGUF's metadata; architectures other than llama and qwen2 are refused."""
+    meta = metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"{source}: unsupported GGUF architecture {arch!r}; specee supports "
+                                    f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise UnsupportedModelError(f"{source}: per-dimension RoPE frequencies (rope_freqs.weight, Llama 3.1 "
+                                    "scaling) are not supported in GGUF files")
+
+    def need(key: str) -> Any:
+        if f"{arch}.{key}" not in meta:
+            raise CheckpointError(f"{source}: GGUF metadata lacks {arch}.{key}")
+        return meta[f"{arch}.{key}"]
+
+    hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise UnsupportedModelError(f"{source}: partial rotary embeddings ({rotary} of {head_dim} dims) are not supported")
+    rope_type, rope_scaling = "default", None
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        rope_type, rope_scaling = "linear", {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    elif scaling != "none":
+        raise UnsupportedModelError(f"{source}: unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise CheckpointError(f"{source}: GGUF file has no token_embd.weight")
+    eos_ids = tuple(dict.fromkeys(int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                                         "tokenizer.ggml.eom_token_id") if k in meta))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    types = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(meta.get(f"{arch}.vocab_size", embedding.shape[-1])),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_type=rope_type,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        sliding_window=None,
+        checkpoint_dtype="GGUF " + "/".join(name for name, _ in types.most_common()),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+    )
+
+
+def gguf_tensor_map(cfg: ModelConfig) -> dict[str, str]:
+    """{GGUF tensor name: HF tensor name} for every tensor a model with this config holds."""
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    per_layer = dict(_LAYER_TENSORS)
+    if cfg.qkv_bias:
+        per_layer.update(_QKV_BIASES)
+    if cfg.o_bias:
+        per_layer.update(_O_BIAS)
+    for i in range(cfg.num_layers):
+        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in per_layer.items()})
+    return names
+
+
+def permuted_heads(cfg: ModelConfig, gguf_name: str) -> int | None:
+    """Heads to un-permute a tensor by (llama attn_q / attn_k), or None when it is stored as is."""
+    if cfg.architecture != GGUF_ARCHITECTURES["llama"]:
+        return None
+    if ".attn_q." in gguf_name:
+        return cfg.num_heads
+    if ".attn_k." in gguf_name:
+        return cfg.num_kv_heads
+    return None
+
+
+def unpermute_rows(rows, num_heads: int):
+    """Undo llama.cpp's per-head Q/K row interleave on dim 0 (torch tensor or numpy array, any trailing dims:
+    float weights, biases or raw quantized blocks)."""
+    per_head = rows.shape[0] // num_heads
+    rest = tuple(rows.shape[1:])
+    return rows.reshape(num_heads, per_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows.shape)
+
+
+def check_tensor_types(reader, source: str | Path) -> None:
+    supported = _supported_types()
+    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in supported})
+    if bad:
+        raise UnsupportedModelError(f"{source}: GGUF tensor type(s) {', '.join(bad)} cannot be dequantized "
+                                    f"by the gguf package installed")
+
+
+def read_gguf_state_dict(reader, cfg: ModelConfig, source: str | Path,
+                         dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized (gguf.quants.dequantize) to `dtype`, un-permuted, under its HF name."""
+    from gguf.quants import dequantize
+
+    check_tensor_types(reader, source)
+    mapping = gguf_tensor_map(cfg)
+    extra = [t.name for t in reader.tensors if t.name not in mapping]
+    if extra:
+        raise CheckpointError(f"{source}: unexpected GGUF tensors not used by {cfg.architecture}: {extra[:5]}")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        values = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W"]))
+        heads = permuted_heads(cfg, t.name)
+        if heads is not None:
+            values = unpermute_rows(values, heads)
+        tensors[mapping[t.name]] = values.to(dtype)
+    return tensors
+
+
+def fingerprint_gguf(path: str | Path, reader=None) -> str:
+    """A cheap identity: the header (metadata and tensor table) plus strided byte samples of several tensors."""
+    path = Path(path)
+    reader = reader if reader is not None else open_gguf(path)
+    h = hashlib.sha256(f"gguf:{path.stat().st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(reader.data_offset))
+    tensors = reader.tensors
+    picks = sorted({round(i * (len(tensors) - 1) / 7) for i in range(8)}) if tensors else []
+    for i in picks:
+        raw = tensors[i].data.reshape(tensors[i].data.shape[0], -1) if tensors[i].data.ndim > 1 else tensors[i].data[:, None]
+        step = max(1, raw.shape[0] // 8)
+        h.update(np.ascontiguousarray(raw[::step]).view(np.uint8).tobytes())
+    return h.hexdigest()[:16]
