@@ -342,6 +342,7 @@ def test_one_host_read_per_speculative_step(ref, ref_draft, monkeypatch, kind):
     ({"method": "medusa"}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "draft_model", "model": "/no/such/draft"}, "not found"),
     ({"method": "eagle", "model": "/no/such/head"}, "model directory not found"),
     ({"method": "ngram", "tree": {"topk": 2, "size": 4}}, "ngram drafts a chain"),
     ({"method": "ngram", "speculative_tokens": 3}, "unknown keys"),

@@ -3,7 +3,8 @@
     {"method": "eagle" | "draft_model" | "ngram", "model": PATH, "num_speculative_tokens": N,
      "tree": {"topk": K, "size": S}, "prompt_lookup_max": M}
 
-model: the EAGLE head directory (`specee train-draft`) or the draft model directory; tree: grow
+model: the EAGLE head directory (`specee train-draft`) or the draft model (a checkpoint
+directory, a .gguf file or a hub id, as the target); tree: grow
 EAGLE-2 trees of depth N, K children per expanded node, S nodes verified (eagle, draft_model);
 prompt_lookup_max: the longest suffix n-gram matched (ngram).
 """
@@ -50,8 +51,10 @@ class SpeculativeConfig:
         elif model is None:
             what = "an EAGLE head directory" if method == "eagle" else "a draft model directory"
             raise ValueError(f"speculative_config: method {method!r} needs 'model': {what}")
-        elif not Path(model).expanduser().is_dir():
+        elif method == "eagle" and not Path(model).expanduser().is_dir():
             raise ValueError(f"speculative_config: model directory not found: {model}")
+        elif not Path(model).expanduser().exists() and (Path(model).is_absolute() or str(model).startswith((".", "~"))):
+            raise ValueError(f"speculative_config: draft model not found: {model}")  # else: maybe a hub id
         lookup = raw.get("prompt_lookup_max", 3)
         if not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 1:
             raise ValueError(f"speculative_config: prompt_lookup_max must be an integer >= 1, got {lookup!r}")
@@ -69,7 +72,8 @@ class SpeculativeConfig:
                 tree = TreeShape(depth=n, topk=topk, size=size)
             except ValueError as e:
                 raise ValueError(f"speculative_config: {e}") from None
-        return cls(method, None if model is None else str(Path(model).expanduser()), n, tree, lookup)
+        return cls(method, model if model is None or not Path(model).expanduser().exists()
+                   else str(Path(model).expanduser()), n, tree, lookup)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
