@@ -379,3 +379,26 @@ def test_llm_and_cli_speculative_config(tiny_checkpoint, tiny_llm, capsys):
     assert "speculative" in report["stats"]
     code = main(["generate", "--model", str(path), "--prompt", "x", "--speculative-config", '{"method": "x"}'])
     assert code == 2 and "specee: error: speculative_config: method must be one of" in capsys.readouterr().err
+
+
+# ---- a real pretrained model: SmolLM2-135M-Instruct (GGUF) ------------------------------------------
+def test_greedy_speculation_on_smollm2():
+    """Lossless on SmolLM2 (dequantized Q4_1 GGUF): prompt lookup chains, an EAGLE tree (random head,
+    EAGLE-3 feature layers) and drafts that are always wrong, against full-depth greedy."""
+    from conftest import MODELS
+
+    path = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        pytest.skip(f"SmolLM2 GGUF not available: {path} is absent")
+    from specee import LLM
+
+    llm = LLM(path, dtype="float32")
+    model, V = llm.model, llm.model.cfg.vocab_size
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = ["Repeat after me: the cat sat on the mat, the cat sat on the mat.", "What is the capital of France?"]
+    for out in llm.generate(prompts, params, chat=True):
+        ids, expected = out.prompt_token_ids, out.token_ids
+        for drafter, tree in ((NGramDrafter(1, V), None),
+                              (EagleDrafter(random_head(model, layers=(2, 15, 29))), TreeShape(3, 3, 8)),
+                              (ScriptedDrafter(len(ids), expected, V, shift=1), None)):
+            assert run(model, llm.tokenizer, drafter, ids, params, tree=tree).output_ids == expected, drafter.name
