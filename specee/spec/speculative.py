@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.base import Draft, Drafter
+from ..drafters.base import Drafter
 from ..engine.full_depth import check_fits
 from ..engine.sequence import Sequence
 from ..model.kv_cache import KVCache
@@ -133,8 +133,6 @@ class SpeculativeDecoder:
             tree = self.grower.grow(last, drafter)
         if tree is None:
             draft = drafter.draft(min(self.num_tokens, room), params, self.generator, self.width)
-            if draft.tokens.device != last.device:
-                draft = Draft(draft.tokens.to(last.device), draft.probs)
         self.stats.draft_seconds += time.perf_counter() - t
 
         if tree is not None:
