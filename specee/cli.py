@@ -188,6 +188,25 @@ def early_exit_config(args: argparse.Namespace, model_dir: Path):
                            max_pending=args.max_pending, threshold_scale=args.threshold_scale)
 
 
+# ---- speculative decoding (specee.spec) ----------------------------------------------------
+def speculative_config_arg(value: str) -> dict:
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return config
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument_group("speculative decoding").add_argument(
+        "--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+        help='draft-and-verify decoding, lossless, as in vLLM: \'{"method": "eagle", "model": HEAD_DIR, '
+             '"num_speculative_tokens": 4}\' (methods: eagle, draft_model with a model dir, ngram; optional '
+             '"tree": {"topk": K, "size": S}). Replaces early exit')
+
+
 def load_llm(args: argparse.Namespace):
     """Build the LLM the command asked for (the single place model-loading options are read)."""
     import torch
@@ -197,8 +216,15 @@ def load_llm(args: argparse.Namespace):
     model_dir = resolve_model_dir(args.model, args.revision)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}); use --device cpu")
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None:
+        from .spec.config import SpeculativeConfig
+
+        speculative = SpeculativeConfig.parse(speculative)  # before loading: bad configs fail fast
+        args.no_exit = True
     config = early_exit_config(args, model_dir) if hasattr(args, "no_exit") else None
-    llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=args.quantization)
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=args.quantization,
+              speculative_config=speculative)
     if args.quantization:
         note(f"{args.quantization} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
     return llm
@@ -213,6 +239,10 @@ def stats_line(stats) -> str:
                  f"{ee['num_layers']} layers, {ee['exits_accepted']} exits")
         if "lossless" in ee:
             line += f", {ee['lossless']['rollbacks']} rollbacks"
+    sp = stats.speculative
+    if sp:
+        line += (f"; speculative {sp['method']}: mean accepted length {sp['mean_accepted_length']:.2f}, "
+                 f"acceptance rate {sp['acceptance_rate']:.2f}")
     return line
 
 
@@ -246,6 +276,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     add_model_args(p)
     add_sampling_args(p)
     add_early_exit_args(p)
+    add_speculative_args(p)
     out = p.add_argument_group("output")
     out.add_argument("--stats", action="store_true", help="print all request statistics to stderr, one per line")
     out.add_argument("--json", action="store_true",
@@ -301,6 +332,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
     add_model_args(p)
     add_sampling_args(p)
     add_early_exit_args(p)
+    add_speculative_args(p)
     p.add_argument("--stats", action="store_true", help="print a stats line to stderr after every reply")
     p.set_defaults(func=cmd_chat)
     return p

@@ -152,7 +152,9 @@ def cmd_speed(args: argparse.Namespace) -> int:
     report = run_speed(llm, prompts, draft=draft, bank=args.bank, k=args.k, max_new_tokens=args.max_new_tokens,
                        repeats=args.repeats, warmup=args.warmup, policies=policies, lossless=not args.no_lossless,
                        hf=not args.no_hf, chat=args.chat, ee_options=ee_options(args),
-                       show_progress=not args.no_progress, argv=argv_of(args), oracle_layers=args.oracle_layers)
+                       show_progress=not args.no_progress, argv=argv_of(args), oracle_layers=args.oracle_layers,
+                       speculative=args.speculative_config, hf_prompt_lookup=args.hf_prompt_lookup,
+                       hf_assistant=args.hf_assistant, measure_row_costs=args.row_costs)
     return finish(args, report, speed_markdown(report),
                   {"exit_histogram.png": plots.plot_exit_histograms, "throughput.png": plots.plot_throughput})
 
@@ -227,6 +229,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return finish(args, report, sweep_markdown(report), {"pareto.png": plots.plot_pareto})
 
 
+def add_speculative_bench_args(s: argparse.ArgumentParser) -> None:
+    from ..cli import speculative_config_arg
+
+    g = s.add_argument_group("speculative decoding (specee.spec) and transformers' assisted generation")
+    g.add_argument("--speculative-config", type=speculative_config_arg, action="append", default=[], metavar="JSON",
+                   help='a speculative configuration to run, as in vLLM (repeatable): \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\'')
+    g.add_argument("--hf-prompt-lookup", type=positive_int, default=None, metavar="N",
+                   help="peer: transformers assisted generation with prompt lookup of N tokens")
+    g.add_argument("--hf-assistant", metavar="DIR", default=None,
+                   help="peer: transformers assisted generation with this assistant model")
+    g.add_argument("--row-costs", action="store_true",
+                   help="also time one target pass over 1, 2, 4, 8 rows in float32 and bfloat16 (verification cost)")
+
+
 # ---- registration -----------------------------------------------------------------------------
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` (with speed / quality / oracle / sweep) on a subparsers object."""
@@ -248,6 +265,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--oracle-layers", type=float, default=None, metavar="X",
                    help="the oracle's mean layers run (from `specee bench oracle`): adds the speedup ceiling at "
                         "that depth to the cost breakdown")
+    add_speculative_bench_args(s)
     s.set_defaults(func=cmd_speed)
 
     q = sub.add_parser("quality", help="agreement with full depth, perplexity, multiple-choice accuracy",

@@ -40,13 +40,14 @@ class Run:
     decode_tokens: int
     token_ids: list[int] = field(default_factory=list)
     early_exit: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None
 
 
 @dataclass
 class ConfigSpec:
     name: str
     label: str
-    kind: str  # "hf" | "full" | "early_exit"
+    kind: str  # "hf" | "full" | "early_exit" | "speculative" | "hf_assisted" (bench/speculative.py)
     config: Any = None  # EarlyExitConfig for kind == "early_exit"
 
 
@@ -58,7 +59,7 @@ def specee_run(llm, ids: list[int], max_new_tokens: int) -> Run:
     out = llm.generate(ids, params)[0]
     s = out.stats
     return Run(len(out.token_ids), s.prefill_seconds, s.decode_seconds, s.decode_tokens, list(out.token_ids),
-               s.early_exit)
+               s.early_exit, s.speculative)
 
 
 def load_hf_model(model_dir, device, dtype):
@@ -82,7 +83,9 @@ def load_hf_model(model_dir, device, dtype):
     return model.to(device).eval()
 
 
-def hf_run(model, ids: list[int], max_new_tokens: int, eos_ids: Sequence[int] = ()) -> Run:
+def hf_run(model, ids: list[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
+           extra: dict[str, Any] | None = None) -> Run:
+    """extra: more `generate` arguments (assisted generation: prompt_lookup_num_tokens, assistant_model)."""
     import torch
     from transformers import GenerationConfig
     from transformers.generation.streamers import BaseStreamer
@@ -108,7 +111,7 @@ def hf_run(model, ids: list[int], max_new_tokens: int, eos_ids: Sequence[int] = 
         sync(device)
         t0 = time.perf_counter()
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             generation_config=gen, streamer=clock)
+                             generation_config=gen, streamer=clock, **(extra or {}))
         sync(device)
         t1 = time.perf_counter()
     new = out[0, len(ids):].tolist()
@@ -171,13 +174,18 @@ def _aggregate(runs: list[Run], per_run: list[list[Run]]) -> dict[str, Any]:
             agg["verified_per_deep_pass"] = (agg["verified_positions"] / agg["deep_passes"]
                                              if agg["deep_passes"] else None)
             out["lossless"] = agg
+    sps = [rs[0].speculative for rs in per_run if rs and rs[0].speculative is not None]
+    if sps:
+        from .speculative import aggregate_speculative
+
+        out["speculative"] = aggregate_speculative(sps)
     return out
 
 
 def _median_run(runs: list[Run]) -> Run:
     first = runs[0]
     return Run(first.tokens, median(r.prefill_seconds for r in runs), median(r.decode_seconds for r in runs),
-               first.decode_tokens, first.token_ids, first.early_exit)
+               first.decode_tokens, first.token_ids, first.early_exit, first.speculative)
 
 
 def identity(ref: list[int], other: list[int]) -> dict[str, Any]:
@@ -194,9 +202,15 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
               max_new_tokens: int = 128, repeats: int = 3, warmup: int = 1,
               policies: Sequence[str] = POLICIES, lossless: bool = True, hf: bool = True,
               chat: str | bool = "auto", ee_options: dict[str, Any] | None = None, show_progress: bool = True,
-              argv: Sequence[str] | None = None, oracle_layers: float | None = None) -> dict[str, Any]:
+              argv: Sequence[str] | None = None, oracle_layers: float | None = None,
+              speculative: Sequence[dict[str, Any]] = (), hf_prompt_lookup: int | None = None,
+              hf_assistant: str | None = None, measure_row_costs: bool = False) -> dict[str, Any]:
     """Measure every configuration on `prompts`; returns the report dict (see module doc).
-    oracle_layers: the oracle's mean layers run (`specee bench oracle`), for the cost ceilings."""
+    oracle_layers: the oracle's mean layers run (`specee bench oracle`), for the cost ceilings.
+    speculative: speculative_config dicts to run; hf_prompt_lookup / hf_assistant: transformers'
+    assisted generation peers; measure_row_costs: the target's cost per verified row (bench/speculative.py)."""
+    from .speculative import SPEC_KINDS, SpeculativeRunner, row_costs, speculative_specs
+
     from .common import BenchError
 
     if repeats < 1 or warmup < 0:
@@ -207,8 +221,9 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
     use_chat = resolve_chat(llm, chat)
     fitted = [fit_prompt(llm, p.text, use_chat, max_new_tokens) for p in prompts]
     specs = config_specs(draft, bank, k, policies, lossless, hf, ee_options)
+    specs += speculative_specs(list(speculative), hf_prompt_lookup, hf_assistant)
     hf_model = None
-    if hf:
+    if hf or any(s.kind == "hf_assisted" for s in specs):
         if not show_progress:
             try:
                 from transformers.utils import logging as hf_logging
@@ -217,8 +232,11 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
             except ImportError:
                 pass
         hf_model = load_hf_model(llm.model_dir, llm.model.device, llm.model.dtype)
+    spec_runner = SpeculativeRunner(llm, hf_model)
 
     def run_one(spec: ConfigSpec, ids: list[int], n: int) -> Run:
+        if spec.kind in SPEC_KINDS:
+            return spec_runner.run(spec, ids, n)
         if spec.kind == "hf":
             return hf_run(hf_model, ids, n, sorted(llm.eos_ids))
         use_config(llm, spec.config if spec.kind == "early_exit" else None)
@@ -316,6 +334,8 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
         "configs": results,
         "identity": ident,
         "cost": cost,
+        "speculative": [dict(c) if isinstance(c, dict) else c.as_dict() for c in speculative],
+        "row_costs": row_costs(llm.model_dir, llm.model.device) if measure_row_costs else None,
     }
 
 
@@ -386,6 +406,9 @@ def speed_markdown(report: dict[str, Any]) -> str:
                   md_table(["configuration", "identical prompts", "same-token rate"],
                            [[cfgs[n]["label"], f"{ident[n]['identical_prompts']}/{ident[n]['prompts']}",
                              ident[n]["same_token_rate"]] for n in others], digits=3), ""]
+    from .speculative import speculative_markdown
+
+    lines += [speculative_markdown(report)]
     lines += ["## Environment", "", environment_md(report["environment"]), ""]
     return "\n".join(lines)
 

@@ -8,13 +8,34 @@ can exit early; its cost is paid on every token, so `propose` must be cheap.
 A drafter's state is the token history it has consumed (prompt + emitted tokens):
 `reset(prompt)` starts it, `advance(token)` appends one token, `truncate(length)` rolls it
 back (lossless mode), and `propose()` is the top-k for the position after the history.
+
+Speculative decoding (specee/spec/) asks for several tokens ahead instead: `draft(n, ...)`
+returns a chain of n tokens for the positions after the history (and, when sampled, the
+distributions they were drawn from) without consuming them; `commit(tokens, matched, ...)`
+then consumes what the target accepted. Drafters that read the target's hidden states (the
+EAGLE head) get them through `begin` and `commit`; the others ignore them.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    """A chain of draft tokens for the positions after the drafter's history.
+
+    tokens: LongTensor [n] on the target's device (n may be below what was asked, even 0);
+    probs: [n, width] distributions the tokens were sampled from, or None when they were chosen
+    deterministically (greedy, prompt lookup): verification then treats each as a point mass."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
 
 
 class DrafterMismatchError(ValueError):
@@ -59,6 +80,25 @@ class Drafter(ABC):
         """Consume several tokens (default: `advance` each)."""
         for t in tokens:
             self.advance(t)
+
+    # ---- speculative decoding ----------------------------------------------------------------
+    feature_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (EAGLE)
+
+    def begin(self, history: list[int], features: torch.Tensor | None = None) -> None:
+        """Start a request whose history (prompt + the prefill's token) is `history`; features:
+        the target's features at positions 0..len(history)-2 ([1, len - 1, W]), when it reads them."""
+        self.reset(history)
+
+    def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
+        """Up to n tokens for the positions after the history, without consuming them; width: the
+        target's vocabulary rows (the width of `Draft.probs`)."""
+        raise NotImplementedError(f"{self.name} cannot draft several tokens ahead")
+
+    def commit(self, tokens: list[int], matched: int, features: torch.Tensor | None = None) -> None:
+        """Consume what a speculative step emitted: the first `matched` tokens are the last draft's
+        own (state computed for them may be kept), the last one is the target's. features: the
+        target's features at the rows before each token ([1, len(tokens), W])."""
+        self.extend(tokens)
 
     @property
     def history(self) -> list[int]:

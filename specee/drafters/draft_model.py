@@ -10,19 +10,23 @@ activations and the one-token input. Nothing is copied to the host. `restrict_vo
 the LM head score only a shortlist of frequent tokens (FR-Spec; calibration picks it and the
 predictor bank carries it): the full head reads as many bytes per token as the reference
 draft's four layers.
+
+For speculative decoding, `draft(n)` runs the draft autoregressively n steps past the history
+in its own cache; `commit` keeps the cache rows of the draft tokens the target accepted, so a
+step re-runs only the target's own token.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..model.llama import Transformer
 from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
+from ..sampling import SamplingParams, probabilities
 from ..tokenizer import Tokenizer
-from .base import Drafter, check_same_tokenizer
+from .base import Draft, Drafter, check_same_tokenizer
 
 
 class DraftModelDrafter(Drafter):
@@ -59,7 +63,8 @@ class DraftModelDrafter(Drafter):
         self._history: list[int] = []
         self._offset = 0  # history index of cache slot 0 (> 0 only past the draft's context)
         self._n = 0  # history tokens in the cache: history[offset : offset + n]
-        self._topk: torch.Tensor | None = None
+        self._last: torch.Tensor | None = None  # final-normed hidden state of the last cached token, [1, H]
+        self._drafted = 0  # draft tokens whose K/V sit in the cache past the history (slots n, n+1, ...)
 
     # ---- cache management ------------------------------------------------------------------
     @torch.inference_mode()
@@ -88,7 +93,7 @@ class DraftModelDrafter(Drafter):
         self._ensure_capacity(n + S)
         model = self.model
         h = model.forward(torch.tensor([tokens], device=self.device), model.range_inputs(n, S), self._cache)
-        self._topk = self._top_k(model.norm(h[0, -1:]))[0]
+        self._last = model.norm(h[0, -1:])
         self._n = n + S
         self._cache.length = self._n
 
@@ -102,7 +107,7 @@ class DraftModelDrafter(Drafter):
         if not prompt_ids:
             raise ValueError("empty prompt: the drafter needs at least one token")
         self._history = list(prompt_ids)
-        self._offset, self._n, self._topk = 0, 0, None
+        self._offset, self._n, self._last, self._drafted = 0, 0, None, 0
         self._cache.length = 0
         if max_new_tokens is not None:
             self._ensure_capacity(min(len(prompt_ids) + max_new_tokens, self.context))
@@ -114,7 +119,7 @@ class DraftModelDrafter(Drafter):
 
     def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Score only the LM-head rows of `token_ids` (distinct ids below the target's vocabulary,
-        at least k of them); None restores the whole vocabulary. The pending proposal is redone."""
+        at least k of them); None restores the whole vocabulary."""
         if token_ids is None:
             self._head, self._head_ids = self._full_head, None
         else:
@@ -126,10 +131,6 @@ class DraftModelDrafter(Drafter):
                 raise ValueError(f"shortlist token ids must be in [0, {self.vocab_limit})")
             ids = ids.to(self.device)
             self._head, self._head_ids = self._full_head.take_rows(ids), ids
-        if self._topk is not None:  # proposed under the old head: re-run the last cached token
-            self._n -= 1
-            self._cache.length = self._n
-            self._topk = None
 
     def advance(self, token: int) -> None:
         self._history.append(int(token))
@@ -137,13 +138,81 @@ class DraftModelDrafter(Drafter):
     def extend(self, tokens: list[int]) -> None:
         self._history.extend(int(t) for t in tokens)
 
-    def propose(self) -> torch.Tensor:
+    def _catch_up(self) -> torch.Tensor:
+        """Run the history tokens not yet in the cache; the last one's final-normed hidden state."""
         pending = len(self._history) - (self._offset + self._n)
         if pending > 0:
             self._run(self._history[len(self._history) - pending:])
-        elif self._topk is None:
+        elif self._last is None:
             raise RuntimeError("propose() before reset(): the drafter has no history")
-        return self._topk
+        return self._last
+
+    def propose(self) -> torch.Tensor:
+        return self._top_k(self._catch_up())[0]
+
+    # ---- speculative decoding -----------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
+        normed = self._catch_up()
+        start = self._n
+        n = max(0, min(n, self.context - start))  # draft rows stay inside the draft's context
+        self._ensure_capacity(start + n)
+        model, tokens, probs = self.model, [], []
+        for j in range(n):
+            logits = self._head(normed)  # [1, scored rows]
+            if params.greedy:
+                pick = logits.argmax(dim=-1)
+            else:
+                q = probabilities(logits, params)
+                pick = torch.multinomial(q, 1, generator=generator).view(1)
+                probs.append(q)
+            token = pick if self._head_ids is None else self._head_ids[pick]
+            tokens.append(token)
+            if j < n - 1:  # the last draft token's K/V is not needed to draft
+                h = model.forward(token.view(1, 1), model.range_inputs(start + j, 1), self._cache)
+                normed = model.norm(h[0])
+        self._drafted = max(n - 1, 0)
+        out = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=self.device)
+        if not probs:
+            return Draft(out)
+        q = torch.cat(probs)
+        full = torch.zeros(n, width, device=self.device, dtype=q.dtype)
+        if self._head_ids is None:
+            full[:, : q.shape[1]] = q
+        else:
+            full.index_copy_(1, self._head_ids, q)
+        return Draft(out, full)
+
+    # the draft-tree interface (specee.spec.tree.TreeGrower): candidates sit at slots n + c
+    def tree_root(self, candidates: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Logits for the position after the history and the token id of each column; None when
+        `candidates` rows do not fit the draft's context."""
+        normed = self._catch_up()
+        if self._n + candidates > self.context:
+            return None
+        self._ensure_capacity(self._n + candidates)
+        self._drafted = 0
+        return self._head(normed), self._head_ids
+
+    @torch.inference_mode()
+    def tree_rows(self, parents: torch.Tensor, tokens: torch.Tensor, depth: int, slots: torch.Tensor,
+                  visible: torch.Tensor) -> torch.Tensor:
+        """Run beam rows (tokens at depth `depth` past the last history token) at slots n + slots,
+        each reading the history and the candidates in `visible`; their logits [k, V']."""
+        n, (k, C), model = self._n, visible.shape, self.model
+        mask = torch.cat([visible.new_ones(k, n), visible], dim=1).view(1, 1, k, n + C)
+        positions = model.slot_ids[n - 1 + depth].expand(1, k)
+        h = model.forward(tokens.view(1, k), model.step_inputs(positions, n + slots, mask, n + C), self._cache)
+        return self._head(model.norm(h[0]))
+
+    def commit(self, tokens: list[int], matched: int, features: torch.Tensor | None = None) -> None:
+        keep = min(matched, self._drafted)  # accepted draft tokens whose K/V the draft already wrote
+        self._history.extend(int(t) for t in tokens)
+        if keep:
+            self._n += keep
+            self._cache.length = self._n
+            self._last = None  # the target's own token (at least) is pending: _catch_up re-runs it
+        self._drafted = 0
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= len(self._history):
@@ -151,7 +220,8 @@ class DraftModelDrafter(Drafter):
         if length == len(self._history):
             return
         del self._history[length:]
-        if self._offset + self._n > length or (self._topk is None and self._offset + self._n == length):
+        self._drafted = 0
+        if self._offset + self._n > length or (self._last is None and self._offset + self._n == length):
             # the logits of the new last token are gone: re-run that one token on propose()
             keep = length - 1 - self._offset
             if keep < 0:  # rolled back before the window: rebuild it from the history
@@ -159,7 +229,7 @@ class DraftModelDrafter(Drafter):
                 keep = 0
             self._n = keep
             self._cache.length = keep
-            self._topk = None
+            self._last = None
 
     @torch.inference_mode()
     def teacher_forced_top_k(self, ids: list[int], start: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 from ..model.llama import LayerWeights, StepInputs, Transformer
+from ..model.quant import FloatLinear
 
 WEIGHTS_FILE = "head.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -76,14 +77,11 @@ def _param_shapes(cfg: EagleHeadConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _layer_weights(params: dict[str, torch.Tensor]) -> LayerWeights:
-    """The head's layer in the runtime's LayerWeights form (the tensors themselves: gradients reach them)."""
-    return LayerWeights(qkv_bias=None, o_bias=None, **{f: params[f] for f in _LAYER_FIELDS})
-
-
-def _lm_head_rows(target: Transformer, shortlist: torch.Tensor) -> torch.Tensor:
-    """[shortlist, H]: the target's LM head rows of the shortlist, gathered once."""
-    return target.lm_head_weight.index_select(0, shortlist)
+def _layer_weights(params: dict[str, torch.Tensor], q_dim: int) -> LayerWeights:
+    """The head's layer in the runtime's LayerWeights form (the tensors themselves: gradients reach them;
+    `kv`, used only by the target's KV policies, is a gradient-free view)."""
+    linears = {f: params[f] if f.endswith("norm") else FloatLinear(params[f]) for f in _LAYER_FIELDS}
+    return LayerWeights(kv=FloatLinear(params["qkv"].detach()[q_dim:]), **linears)
 
 
 class EagleHead:
@@ -116,8 +114,8 @@ class EagleHead:
         self.runtime = object.__new__(Transformer)
         self.runtime.cfg = _layer_config(tc, config)
         self.runtime.device, self.runtime.dtype = target.device, target.dtype
-        self.runtime.layers = [_layer_weights(params)]
-        self.lm_head_rows = _lm_head_rows(target, shortlist)
+        self.runtime.layers = [_layer_weights(params, config.num_heads * config.head_dim)]
+        self.lm_head_rows = target.head.take_rows(shortlist)  # the shortlist's LM-head rows, gathered once
         self._fuse = params.get("fuse")
 
     # ---- construction ------------------------------------------------------------------------
@@ -167,7 +165,7 @@ class EagleHead:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[..., shortlist_size]: the target's final norm and LM head rows of the shortlist; column c
         is token shortlist[c]."""
-        return F.linear(self.target.norm(h), self.lm_head_rows)
+        return self.lm_head_rows(self.target.norm(h))
 
     # ---- files -------------------------------------------------------------------------------
     def manifest(self, extra: dict | None = None) -> dict:

@@ -5,7 +5,9 @@ For the next position it finds earlier occurrences of the history's longest suff
 frequent first (ties: most recent first). It fills up to k with the history's most
 frequent tokens, then with the lowest unused token ids, so a proposal is always k distinct
 ids. Useful when no draft model shares the target's tokenizer, and strong on tasks that
-copy from the prompt (summarisation, RAG, code editing).
+copy from the prompt (summarisation, RAG, code editing). For speculative decoding, `draft`
+is vLLM's prompt lookup: the tokens that followed the latest earlier occurrence of the
+history's longest matching suffix, as a chain.
 
 The follow tables are updated incrementally on `advance` (O(max_ngram) per token);
 `truncate` rebuilds them from the kept history (rollbacks are rare).
@@ -16,7 +18,8 @@ import heapq
 
 import torch
 
-from .base import Drafter
+from ..sampling import SamplingParams
+from .base import Draft, Drafter
 
 
 class NGramDrafter(Drafter):
@@ -88,6 +91,21 @@ class NGramDrafter(Drafter):
 
     def propose(self) -> torch.Tensor:
         return torch.tensor(self.candidates(), dtype=torch.long, device=self.device)
+
+    # ---- speculative decoding: prompt lookup -------------------------------------------------
+    def chain(self, n: int) -> list[int]:
+        """Up to n tokens copied from after the most recent earlier occurrence of the history's
+        longest matching suffix (max_ngram tokens, then shorter); [] when nothing matches."""
+        hist = self._history
+        for size in range(min(self.max_ngram, len(hist)), 0, -1):
+            table = self._follow[size - 1].get(tuple(hist[len(hist) - size :]))
+            if table:
+                start = max(last for _, last in table.values())  # the follower of the latest occurrence
+                return hist[start : start + n]
+        return []
+
+    def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
+        return Draft(torch.tensor(self.chain(n), dtype=torch.long, device=self.device))
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= len(self._history):

@@ -72,11 +72,13 @@ class LLM:
     "auto" (a GGUF's own precision: Q4 -> int4, Q5/Q6/Q8 -> int8, float -> float). early_exit: an EarlyExitConfig. Its bank is
     loaded (and checked against this target and drafter); without one, a bank is calibrated once
     and cached under ~/.cache/specee/banks, keyed by the target's and drafter's fingerprints and the dtype.
+    speculative_config: draft-and-verify speculative decoding, as in vLLM:
+    {"method": "eagle" | "draft_model" | "ngram", "model": DIR, "num_speculative_tokens": N}.
     """
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                  early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, speculative_config: dict | None = None):
         self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
         dev = torch.device(device)
         if quantization not in QUANTIZATIONS:
@@ -93,6 +95,18 @@ class LLM:
         self.early_exit: EarlyExitDecoder | None = None
         if early_exit is not None:
             self.enable_early_exit(early_exit)
+        self.speculative = None
+        if speculative_config is not None:
+            self.enable_speculative(speculative_config)
+
+    # ---- speculative decoding (specee.spec) -----------------------------------------------
+    def enable_speculative(self, config: dict | None) -> None:
+        """Draft-and-verify decoding with a vLLM-style speculative_config (see spec/config.py); None = off."""
+        if config is not None and self.early_exit is not None:
+            raise ValueError("speculative_config and early_exit cannot be combined (yet); choose one")
+        from ..spec.config import make_decoder
+
+        self.speculative = None if config is None else make_decoder(self, config)
 
     # ---- early exit ---------------------------------------------------------------------
     def make_drafter(self, draft: str | None, k: int) -> Drafter:
@@ -215,6 +229,10 @@ class LLM:
         return self.early_exit.teacher_forced(seq, continuation)
 
     def _run(self, seqs: list[Sequence], on_text) -> None:
+        if self.speculative is not None:  # one request at a time, like early exit
+            for i, seq in enumerate(seqs):
+                self.speculative.generate(seq, None if on_text is None else (lambda _j, text, i=i: on_text(i, text)))
+            return
         if self.early_exit is None:
             generate_full_depth(self.model, seqs, on_text)
             return

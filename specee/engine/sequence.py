@@ -16,6 +16,7 @@ class RequestStats:
     decode_seconds: float = 0.0
     decode_tokens: int = 0  # tokens produced by decode steps (full depth: all but the prefill's one)
     early_exit: dict[str, Any] | None = None  # filled by the early-exit and lossless loops
+    speculative: dict[str, Any] | None = None  # filled by speculative decoding (specee.spec)
 
     @property
     def seconds(self) -> float:
@@ -40,6 +41,8 @@ class RequestStats:
         }
         if self.early_exit is not None:
             d["early_exit"] = self.early_exit
+        if self.speculative is not None:
+            d["speculative"] = self.speculative
         return d
 
 

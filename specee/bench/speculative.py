@@ -1,0 +1,143 @@
+"""The speculative-decoding part of `specee bench speed`: specee's speculative configurations,
+transformers' assisted generation as peers (prompt lookup; an assistant model), and what
+limits the gain: the target's cost per extra verified row.
+
+Every configuration here runs in the same interleaved rounds as the others in speed.py, so
+their ratios to full depth and to transformers come from one run.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .common import md_table, median, sync
+
+SPEC_KINDS = ("speculative", "hf_assisted")
+
+
+def speculative_specs(configs: list[dict[str, Any]], prompt_lookup: int | None, assistant: str | None) -> list:
+    """ConfigSpecs for specee's speculative configs and transformers' assisted-generation peers."""
+    from ..spec.config import SpeculativeConfig
+    from .speed import ConfigSpec
+
+    specs = []
+    for raw in configs:
+        c = SpeculativeConfig.parse(raw)
+        tree = "" if c.tree is None else f"-tree{c.tree.topk}x{c.tree.size}"
+        name = f"spec-{c.method}-n{c.num_speculative_tokens}{tree}"
+        label = f"speculative {c.method}, {c.num_speculative_tokens} tokens" + (
+            "" if c.tree is None else f", tree top-{c.tree.topk} / {c.tree.size} nodes")
+        specs.append(ConfigSpec(name, label, "speculative", c))
+    if prompt_lookup:
+        specs.append(ConfigSpec("hf-prompt-lookup", f"transformers assisted (prompt lookup {prompt_lookup})",
+                                "hf_assisted", {"prompt_lookup_num_tokens": prompt_lookup}))
+    if assistant:
+        specs.append(ConfigSpec("hf-assistant", "transformers assisted (assistant model)", "hf_assisted",
+                                {"assistant_model": assistant}))
+    return specs
+
+
+class SpeculativeRunner:
+    """Runs the speculative kinds; decoders and assistant models are built once per configuration."""
+
+    def __init__(self, llm, hf_model=None):
+        self.llm, self.hf_model = llm, hf_model
+        self.decoders: dict[str, Any] = {}
+        self.assistants: dict[str, Any] = {}
+
+    def run(self, spec, ids: list[int], max_new_tokens: int):
+        from .speed import hf_run, specee_run
+
+        llm = self.llm
+        if spec.kind == "speculative":
+            if spec.name not in self.decoders:
+                from ..spec.config import make_decoder
+
+                self.decoders[spec.name] = make_decoder(llm, spec.config)
+            llm.early_exit, llm.speculative = None, self.decoders[spec.name]
+            try:
+                return specee_run(llm, ids, max_new_tokens)
+            finally:
+                llm.speculative = None
+        extra = dict(spec.config)
+        if "assistant_model" in extra:
+            path = extra["assistant_model"]
+            if path not in self.assistants:
+                from .speed import load_hf_model
+
+                self.assistants[path] = load_hf_model(path, llm.model.device, llm.model.dtype)
+            extra["assistant_model"] = self.assistants[path]
+        return hf_run(self.hf_model, ids, max_new_tokens, sorted(llm.eos_ids), extra)
+
+
+def aggregate_speculative(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum the per-prompt speculative stats into one record (vLLM's metrics)."""
+    drafts = sum(s["drafts"] for s in stats)
+    draft_tokens = sum(s["draft_tokens"] for s in stats)
+    accepted = sum(s["accepted_tokens"] for s in stats)
+    positions = max(len(s["acceptance_rate_per_position"]) for s in stats)
+    per_pos = [sum(s["acceptance_rate_per_position"][j] * s["drafts"] for s in stats
+                   if j < len(s["acceptance_rate_per_position"])) / max(drafts, 1) for j in range(positions)]
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "target_passes": sum(s["target_passes"] for s in stats),
+            "mean_accepted_length": 1 + accepted / max(drafts, 1),
+            "acceptance_rate": accepted / max(draft_tokens, 1), "acceptance_rate_per_position": per_pos,
+            "draft_time_share": sum(s["draft_time_share"] for s in stats) / len(stats)}
+
+
+# ---- what limits the gain: the target's cost per verified row --------------------------------------
+def row_costs(model_dir, device, rows: tuple[int, ...] = (1, 2, 4, 8), dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+              context: int = 128, repeats: int = 9) -> dict[str, Any]:
+    """Milliseconds of one target pass (all layers + LM head) over `rows` rows after `context`
+    committed tokens, per dtype: the price of verifying rows - 1 draft tokens."""
+    import torch
+
+    from ..engine.llm import DTYPES
+    from ..model.llama import Transformer
+
+    out: dict[str, Any] = {"context": context, "rows": list(rows), "ms": {}}
+    for name in dtypes:
+        model = Transformer.load(model_dir, device, DTYPES[name])
+        cache = model.new_cache(1, context + max(rows))
+        with torch.inference_mode():
+            model.forward(torch.zeros(1, context, dtype=torch.long, device=model.device),
+                          model.range_inputs(0, context), cache)
+            times = []
+            for S in rows:
+                tokens = torch.zeros(1, S, dtype=torch.long, device=model.device)
+                step = model.range_inputs(context, S)
+                samples = []
+                for _ in range(repeats + 1):
+                    sync(model.device)
+                    t = time.perf_counter()
+                    model.logits(model.forward(tokens, step, cache))
+                    sync(model.device)
+                    samples.append(time.perf_counter() - t)
+                times.append(1000 * median(samples[1:]))
+        out["ms"][name] = times
+        del model, cache
+    return out
+
+
+def speculative_markdown(report: dict[str, Any]) -> str:
+    cfgs = report["configs"]
+    spec = [n for n in report["order"] if cfgs[n]["kind"] == "speculative"]
+    lines: list[str] = []
+    if spec:
+        peer = cfgs.get("hf-prompt-lookup", {}).get("tokens_per_second")
+        lines += ["## Speculative decoding", "",
+                  md_table(["configuration", "speedup vs full", "speedup vs transformers prompt lookup",
+                            "mean accepted length", "acceptance rate", "per draft position", "draft time share"],
+                           [[cfgs[n]["label"], cfgs[n]["speedup_vs_full"],
+                             cfgs[n]["tokens_per_second"] / peer if peer and cfgs[n]["tokens_per_second"] else None,
+                             cfgs[n]["speculative"]["mean_accepted_length"], cfgs[n]["speculative"]["acceptance_rate"],
+                             " ".join(f"{r:.2f}" for r in cfgs[n]["speculative"]["acceptance_rate_per_position"]),
+                             cfgs[n]["speculative"]["draft_time_share"]] for n in spec], digits=3), ""]
+    costs = report.get("row_costs")
+    if costs:
+        head = ["dtype"] + [f"{r} row{'s' if r > 1 else ''} (ms)" for r in costs["rows"]] + \
+               [f"{r} rows / 1 row" for r in costs["rows"][1:]]
+        body = [[d] + ms + [m / ms[0] for m in ms[1:]] for d, ms in costs["ms"].items()]
+        lines += [f"### Target pass cost per verified rows (after {costs['context']} tokens)", "",
+                  md_table(head, body, digits=2), ""]
+    return "\n".join(lines)

@@ -1,0 +1,5 @@
+"""Draft-and-verify speculative decoding: chains and EAGLE-2 trees, greedy and sampled."""
+from .speculative import SpecStats, SpeculativeDecoder
+from .tree import TreeShape
+
+__all__ = ["SpecStats", "SpeculativeDecoder", "TreeShape"]

@@ -1,0 +1,108 @@
+"""`speculative_config` as vLLM users write it, checked, and the decoder it builds.
+
+    {"method": "eagle" | "draft_model" | "ngram", "model": PATH, "num_speculative_tokens": N,
+     "tree": {"topk": K, "size": S}, "prompt_lookup_max": M}
+
+model: the EAGLE head directory (`specee train-draft`) or the draft model (a checkpoint
+directory, a .gguf file or a hub id, as the target); tree: grow
+EAGLE-2 trees of depth N, K children per expanded node, S nodes verified (eagle, draft_model);
+prompt_lookup_max: the longest suffix n-gram matched (ngram).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .tree import TreeShape
+
+METHODS = ("eagle", "draft_model", "ngram")
+KEYS = ("method", "model", "num_speculative_tokens", "tree", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int = 4
+    tree: TreeShape | None = None
+    prompt_lookup_max: int = 3
+
+    @classmethod
+    def parse(cls, raw: "SpeculativeConfig | dict[str, Any]") -> "SpeculativeConfig":
+        """Check a user's dict; every error is one line naming the key."""
+        if isinstance(raw, SpeculativeConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {', '.join(KEYS)}")
+        method = raw.get("method")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
+        n = raw.get("num_speculative_tokens", 4)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {n!r}")
+        model = raw.get("model")
+        if method == "ngram":
+            if model is not None:
+                raise ValueError("speculative_config: method 'ngram' takes no model (it looks up the prompt)")
+        elif model is None:
+            what = "an EAGLE head directory" if method == "eagle" else "a draft model directory"
+            raise ValueError(f"speculative_config: method {method!r} needs 'model': {what}")
+        elif method == "eagle" and not Path(model).expanduser().is_dir():
+            raise ValueError(f"speculative_config: model directory not found: {model}")
+        elif not Path(model).expanduser().exists() and (Path(model).is_absolute() or str(model).startswith((".", "~"))):
+            raise ValueError(f"speculative_config: draft model not found: {model}")  # else: maybe a hub id
+        lookup = raw.get("prompt_lookup_max", 3)
+        if not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 1:
+            raise ValueError(f"speculative_config: prompt_lookup_max must be an integer >= 1, got {lookup!r}")
+        tree = raw.get("tree")
+        if tree is not None:
+            if method == "ngram":
+                raise ValueError("speculative_config: 'tree' needs a drafter that scores tokens (eagle, draft_model); "
+                                 "ngram drafts a chain")
+            if not isinstance(tree, dict) or set(tree) - {"topk", "size"}:
+                raise ValueError(f"speculative_config: tree must be {{\"topk\": K, \"size\": S}}, got {tree!r}")
+            topk, size = tree.get("topk", 4), tree.get("size", 16)
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (topk, size)):
+                raise ValueError(f"speculative_config: tree topk and size must be integers, got {tree!r}")
+            try:
+                tree = TreeShape(depth=n, topk=topk, size=size)
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
+        return cls(method, model if model is None or not Path(model).expanduser().exists()
+                   else str(Path(model).expanduser()), n, tree, lookup)
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.model is not None:
+            d["model"] = self.model
+        if self.tree is not None:
+            d["tree"] = {"topk": self.tree.topk, "size": self.tree.size}
+        if self.method == "ngram":
+            d["prompt_lookup_max"] = self.prompt_lookup_max
+        return d
+
+
+def make_decoder(llm, config: SpeculativeConfig | dict[str, Any]):
+    """The SpeculativeDecoder for `llm` (an engine.llm.LLM) and this config."""
+    from ..drafters.draft_model import DraftModelDrafter
+    from ..drafters.ngram import NGramDrafter
+    from .speculative import SpeculativeDecoder
+
+    config = SpeculativeConfig.parse(config)
+    model = llm.model
+    if config.method == "ngram":
+        drafter = NGramDrafter(1, model.cfg.vocab_size, model.device, max_ngram=config.prompt_lookup_max)
+    elif config.method == "draft_model":
+        drafter = DraftModelDrafter(config.model, llm.tokenizer, 1, model.device, model.dtype,
+                                    target_dir=llm.model_dir, vocab_size=model.cfg.vocab_size,
+                                    quantization=llm.quantization)
+    else:
+        from ..drafters.eagle import EagleDrafter
+        from ..drafters.eagle_head import EagleHead
+
+        drafter = EagleDrafter(EagleHead.load(config.model, model, llm.fingerprint))
+    return SpeculativeDecoder(model, drafter, config.num_speculative_tokens, config.tree, config.method)

@@ -1,0 +1,404 @@
+"""Speculative decoding: greedy output equals full-depth greedy with every drafter (chains and
+trees, drafts always wrong and always right), sampled output has the target's distribution at
+every position (and a biased sampler is caught), one host read per step, clear config errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specee.drafters.base import Draft, Drafter
+from specee.drafters.draft_model import DraftModelDrafter
+from specee.drafters.eagle import EagleDrafter
+from specee.drafters.eagle_head import EagleHead, EagleHeadConfig
+from specee.drafters.ngram import NGramDrafter
+from specee.engine.sequence import Sequence
+from specee.sampling import SamplingParams
+from specee.spec import SpeculativeDecoder, TreeShape
+from specee.spec import speculative as speculative_module
+from specee.spec.config import SpeculativeConfig
+from specee.spec.verify import accept_chain_sampled, accept_tree
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPTS = ["Write a short story about a cat who learns to fly.", "What is 12 plus 30?",
+           "def add(a, b):\n    return a + b\n\nprint(add(", "List three colours and say why you like them.",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+
+
+# ---- test drafters: drafts always right / always wrong ----------------------------------------
+class ScriptedDrafter(Drafter):
+    """Drafts from a known continuation: the target's own greedy tokens (`shift` 0: every draft is
+    accepted) or those tokens + shift (every draft is rejected)."""
+
+    def __init__(self, prompt_len: int, continuation: list[int], vocab: int, shift: int):
+        self.k, self.name, self.fingerprint = 1, f"scripted{shift}", "scripted"
+        self.prompt_len, self.continuation, self.vocab, self.shift = prompt_len, continuation, vocab, shift
+
+    def reset(self, prompt_ids):
+        self._history = list(prompt_ids)
+
+    def advance(self, token):
+        self._history.append(token)
+
+    def propose(self):
+        raise NotImplementedError
+
+    def truncate(self, length):
+        del self._history[length:]
+
+    def teacher_forced_top_k(self, ids, start):
+        raise NotImplementedError
+
+    def draft(self, n, params, generator, width):
+        done = len(self._history) - self.prompt_len
+        ahead = self.continuation[done : done + n]
+        return Draft(torch.tensor([(t + self.shift) % self.vocab for t in ahead], dtype=torch.long))
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def run(model, tokenizer, drafter, ids: list[int], params: SamplingParams, n: int = 4,
+        tree: TreeShape | None = None) -> Sequence:
+    seq = Sequence(ids, list(ids), params, tokenizer, frozenset())
+    SpeculativeDecoder(model, drafter, n, tree).generate(seq)
+    return seq
+
+
+def random_head(model, seed: int = 0, layers: tuple[int, ...] | None = None) -> EagleHead:
+    cfg = EagleHeadConfig.for_target(model.cfg, layers, model.cfg.vocab_size // 2)
+    shortlist = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(seed))
+    return EagleHead.init_random(model, cfg, shortlist[: cfg.shortlist_size].sort().values, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def ref(real_llm):
+    """The reference pair, prompts and their full-depth greedy continuations (32 tokens, EOS ignored)."""
+    llm = real_llm("ref-target-24L")
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, chat=True)
+    return llm, params, [(o.prompt_token_ids, o.token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def ref_draft(ref):
+    from conftest import real_model_dir
+
+    llm = ref[0]
+    return DraftModelDrafter(real_model_dir("ref-draft-4L"), llm.tokenizer, 1, target_dir=llm.model_dir,
+                             vocab_size=llm.model.cfg.vocab_size)
+
+
+# ---- greedy: token-identical to full depth -------------------------------------------------------
+@pytest.mark.parametrize("drafter_kind,tree", [
+    ("draft_model", None), ("draft_model", TreeShape(4, 3, 10)), ("ngram", None),
+    ("eagle", None), ("eagle", TreeShape(3, 4, 12))])
+def test_greedy_speculation_equals_full_depth(ref, ref_draft, drafter_kind, tree):
+    llm, params, cases = ref
+    model = llm.model
+    drafter = {"draft_model": lambda: ref_draft, "ngram": lambda: NGramDrafter(1, model.cfg.vocab_size),
+               "eagle": lambda: EagleDrafter(random_head(model, layers=(1, 11, 23)))}[drafter_kind]()
+    accepted = 0
+    for ids, expected in cases:
+        seq = run(model, llm.tokenizer, drafter, ids, params, tree=tree)
+        assert seq.output_ids == expected
+        stats = seq.stats.speculative
+        assert stats["target_passes"] < len(expected) or drafter_kind == "eagle"  # a random head rarely helps
+        accepted += stats["accepted_tokens"]
+    if drafter_kind != "eagle":
+        assert accepted > 0  # the test exercised accepted drafts, not only rollbacks
+
+
+def test_always_wrong_and_always_right_drafts(ref):
+    llm, params, cases = ref
+    model, V = llm.model, llm.model.cfg.vocab_size
+    for ids, expected in cases[:3]:
+        wrong = run(model, llm.tokenizer, ScriptedDrafter(len(ids), expected, V, shift=1), ids, params)
+        assert wrong.output_ids == expected
+        s = wrong.stats.speculative
+        assert s["accepted_tokens"] == 0 and s["draft_tokens"] > 0 and s["target_passes"] == len(expected) - 1
+        right = run(model, llm.tokenizer, ScriptedDrafter(len(ids), expected, V, shift=0), ids, params, n=5)
+        assert right.output_ids == expected
+        s = right.stats.speculative
+        assert s["accepted_tokens"] == s["draft_tokens"]  # the longest chain every step
+        assert s["target_passes"] == -(-(len(expected) - 1) // 6)  # 6 tokens per target pass
+
+
+def test_tree_drafts_agreeing_with_the_target_are_accepted(ref):
+    """The target as its own draft model, every candidate verified: the greedy token at depths 1 and
+    2 is always in the tree (the root's top-k; the top child of a depth-1 node, all of which are
+    expanded), so those positions are always accepted, from whichever branch they sit in."""
+    llm, params, cases = ref
+    model = llm.model
+    same = DraftModelDrafter(llm.model_dir, llm.tokenizer, 1, target_dir=llm.model_dir)
+    shape = TreeShape(4, 2, TreeShape(4, 2, 1).candidates)
+    for ids, expected in cases[:2]:
+        seq = run(model, llm.tokenizer, same, ids, params, n=4, tree=shape)
+        assert seq.output_ids == expected
+        s = seq.stats.speculative
+        assert s["acceptance_rate_per_position"][:2] == [1.0, 1.0]
+        assert s["mean_accepted_length"] >= 3.0
+
+
+@pytest.mark.parametrize("variant", ["llama3", "qwen2", "tied", "gqa_head_dim"])
+def test_greedy_speculation_on_architectures(tiny_checkpoint, tiny_llm, tmp_path, variant):
+    """Tiny random checkpoints (GQA, q/k/v biases and a padded vocabulary, tied embeddings, head_dim
+    != hidden / heads): a draft model (same tokenizer, other weights), n-gram and an EAGLE tree."""
+    from checkpoints import make_checkpoint
+
+    llm = tiny_llm(variant)
+    model = llm.model
+    draft_dir = make_checkpoint(tmp_path / "draft", variant, seed=1)
+    drafters = [(DraftModelDrafter(draft_dir, llm.tokenizer, 1, target_dir=llm.model_dir,
+                                   vocab_size=model.cfg.vocab_size), None),
+                (NGramDrafter(1, model.cfg.vocab_size), None),
+                (EagleDrafter(random_head(model)), TreeShape(3, 3, 8))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in PROMPTS[:3]:
+        expected = llm.generate(prompt, params)[0]
+        for drafter, tree in drafters:
+            seq = run(model, llm.tokenizer, drafter, expected.prompt_token_ids, params, tree=tree)
+            assert seq.output_ids == expected.token_ids, drafter.name
+
+
+# ---- sampling: the target's distribution at every position --------------------------------------
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit; cells with expected count < 5 pooled into one. An
+    outcome the distribution cannot produce gives 0."""
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)]).double()
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)]).double()
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def biased_accept(draft, draft_probs, target_probs, generator):
+    """A wrong verifier: accepts every draft (no ratio test), the bonus from p_k."""
+    k = draft.shape[0]
+    bonus = torch.multinomial(target_probs[k], 1, generator=generator)
+    return torch.cat([torch.tensor([k]), draft, bonus])
+
+
+def test_rejection_sampling_matches_target_distribution_at_every_position():
+    """Synthetic p_j (independent of the prefix) and q_j over 6 tokens, 3 drafts: each emitted
+    position's frequency must match p_j; accepting without the ratio test must be caught."""
+    g = torch.Generator().manual_seed(0)
+    V, k, N = 6, 3, 6000
+    p = torch.softmax(torch.randn(k + 1, V, generator=g) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(k, V, generator=g) * 1.5, dim=-1)
+    for verifier, ok in ((accept_chain_sampled, True), (biased_accept, False)):
+        counts = torch.zeros(k + 1, V)
+        seen = torch.zeros(k + 1)
+        for _ in range(N):
+            draft = torch.multinomial(q, 1, generator=g).view(k)
+            a, *tokens = verifier(draft, q, p, g).tolist()
+            for j, t in enumerate(tokens[: a + 1]):
+                counts[j, t] += 1
+                seen[j] += 1
+        # position j is emitted only when drafts before it were accepted, but each emitted token is
+        # distributed as p_j whatever happened before: test every position's conditional frequency
+        pvals = [chi_square_p_value(counts[j], p[j]) for j in range(k + 1) if seen[j] >= 200]
+        assert len(pvals) >= 2
+        if ok:
+            assert min(pvals) > 1e-3, pvals
+        else:
+            assert min(pvals) < 1e-6, pvals
+
+
+@torch.inference_mode()
+def exact_joint(model, ids: list[int], params: SamplingParams, depth: int) -> dict[tuple[int, ...], float]:
+    """The target's exact distribution over its first `depth` sampled tokens (top-k sampling keeps
+    the tree of prefixes small): one full forward per prefix."""
+    from specee.engine.full_depth import prefill
+    from specee.sampling import probabilities
+
+    out = {(): 1.0}
+    for _ in range(depth):
+        nxt = {}
+        for prefix, mass in out.items():
+            seq = ids + list(prefix)
+            p = probabilities(model.logits(prefill(model, model.new_cache(1, len(seq)), [seq])), params)[0]
+            for t in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (t,)] = mass * float(p[t])
+        out = nxt
+    return out
+
+
+class GreedyDrafts(DraftModelDrafter):
+    """A draft model drafting its argmax whatever the sampling parameters: deterministic drafts
+    (point masses, as prompt lookup's), verified by the target's own samples."""
+
+    def __init__(self, inner: DraftModelDrafter):
+        self.__dict__.update(inner.__dict__)
+
+    def draft(self, n, params, generator, width):
+        return super().draft(n, SamplingParams(), generator, width)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "point_mass", "tree"])
+def test_sampled_speculation_has_the_targets_joint_distribution(tiny_llm, method, monkeypatch):
+    """Tiny target, top-3 sampling at temperature 1.5, the first 4 tokens: the joint frequencies of
+    speculative sampling match the exact joint distribution (chi-square), with sampled drafts (the
+    ratio test), deterministic drafts (point masses) and trees; for sampled drafts, a verifier
+    without the ratio test is caught."""
+    llm = tiny_llm("llama2")
+    model, V = llm.model, llm.model.cfg.vocab_size
+    depth, N = 4, 1000
+    ids = llm.encode("Once upon a time there was")
+    prompt = ids
+    base = SamplingParams(max_tokens=depth, temperature=1.5, top_k=3, ignore_eos=True)
+    joint = exact_joint(model, prompt, base, depth)
+    keys = sorted(joint)
+    index = {key: i for i, key in enumerate(keys)}
+    probs = torch.tensor([joint[key] for key in keys])
+    tree = TreeShape(3, 2, 5) if method == "tree" else None
+
+    def drafter():
+        d = DraftModelDrafter(llm.model_dir, llm.tokenizer, 1, target_dir=llm.model_dir)
+        # the target's own weights scoring half the vocabulary: a draft that differs from p but overlaps it
+        d.restrict_vocab(torch.arange(0, V, 2))
+        return GreedyDrafts(d) if method == "point_mass" else d
+
+    probs = torch.cat([probs, torch.zeros(1)])  # last cell: sequences the target cannot sample
+
+    def frequencies(d) -> tuple[torch.Tensor, int]:
+        counts = torch.zeros(len(keys) + 1)
+        accepted = 0
+        for seed in range(N):
+            params = SamplingParams(max_tokens=depth, temperature=1.5, top_k=3, seed=seed, ignore_eos=True)
+            seq = run(model, llm.tokenizer, d, prompt, params, n=3, tree=tree)
+            counts[index.get(tuple(seq.output_ids), len(keys))] += 1
+            accepted += seq.stats.speculative["accepted_tokens"]
+        return counts, accepted
+
+    d = drafter()
+    counts, accepted = frequencies(d)
+    assert accepted > N // 4  # drafts were accepted (and, below, rejected) often enough to matter
+    assert chi_square_p_value(counts, probs) > 1e-3
+    if method == "draft_model":
+        monkeypatch.setattr(speculative_module, "accept_chain_sampled", biased_accept)
+        biased, _ = frequencies(d)
+        assert chi_square_p_value(biased, probs) < 1e-6
+
+
+# ---- trees -----------------------------------------------------------------------------------------
+def test_accept_tree_follows_the_matching_path():
+    """root -> {a:5, b:6}; a -> {c:7}; b -> {d:8}; c -> {e:9}. choices after root 6, after b 8, after d 3."""
+    from specee.spec.tree import Tree
+
+    tokens = torch.tensor([1, 5, 6, 7, 8, 9])
+    parents = torch.tensor([0, 0, 0, 1, 2, 3])
+    depths = torch.tensor([0, 1, 1, 2, 2, 3])
+    tree = Tree(tokens, parents, depths, torch.ones(6, 6, dtype=torch.bool), depth=3)
+    choices = torch.tensor([6, 0, 8, 0, 3, 0])
+    a, *rest = accept_tree(tree, choices).tolist()
+    assert a == 2 and rest[:3] == [0, 2, 4] and rest[4:7] == [6, 8, 3]
+    choices = torch.tensor([4, 0, 0, 0, 0, 0])  # nothing matches: the root's choice only
+    a, *rest = accept_tree(tree, choices).tolist()
+    assert a == 0 and rest[4] == 4
+
+
+# ---- host syncs --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["draft_model", "eagle", "eagle_tree"])
+def test_one_host_read_per_speculative_step(ref, ref_draft, monkeypatch, kind):
+    llm, params, cases = ref
+    model = llm.model
+    ids, expected = cases[0]
+    drafter = ref_draft if kind == "draft_model" else EagleDrafter(random_head(model))
+    tree = TreeShape(3, 3, 8) if kind == "eagle_tree" else None
+    reads = {"n": 0}
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _original=original, **kw):
+            reads["n"] += 1
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    steps = {"n": 0}
+    original_step = SpeculativeDecoder.step
+
+    def counted_step(self, last):
+        steps["n"] += 1
+        return original_step(self, last)
+
+    monkeypatch.setattr(SpeculativeDecoder, "step", counted_step)
+    seq = Sequence(ids, list(ids), params, llm.tokenizer, frozenset())
+    SpeculativeDecoder(model, drafter, 4, tree).generate(seq)
+    monkeypatch.undo()
+    assert seq.output_ids == expected
+    assert reads["n"] == steps["n"] + 1  # one per step, plus the prefill's first token
+
+
+# ---- configuration -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw,message", [
+    ({"method": "medusa"}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "draft_model", "model": "/no/such/draft"}, "not found"),
+    ({"method": "eagle", "model": "/no/such/head"}, "model directory not found"),
+    ({"method": "ngram", "tree": {"topk": 2, "size": 4}}, "ngram drafts a chain"),
+    ({"method": "ngram", "speculative_tokens": 3}, "unknown keys"),
+    ({"method": "draft_model", "model": ".", "tree": {"topk": 2, "size": 99}}, "tree size must be in"),
+])
+def test_nonsense_configs_are_refused_in_one_line(raw, message):
+    with pytest.raises(ValueError, match=message) as e:
+        SpeculativeConfig.parse(raw)
+    assert "\n" not in str(e.value)
+
+
+def test_a_head_for_another_target_is_refused(tiny_llm, tmp_path):
+    llm = tiny_llm("llama2")
+    random_head(llm.model).save(tmp_path / "head")  # saved with another target's fingerprint ("")
+    with pytest.raises(ValueError, match="trained for the target"):
+        llm.enable_speculative({"method": "eagle", "model": str(tmp_path / "head")})
+
+
+def test_llm_and_cli_speculative_config(tiny_checkpoint, tiny_llm, capsys):
+    from specee import LLM
+    from specee.cli import main
+
+    path = tiny_checkpoint("llama2")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = tiny_llm("llama2").generate("Once upon a time", params)[0].token_ids
+    llm = LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    out = llm.generate("Once upon a time", params)[0]
+    assert out.token_ids == expected and out.stats.speculative["method"] == "ngram"
+    code = main(["generate", "--model", str(path), "--prompt", "Once upon a time", "--no-chat", "--json",
+                 "--max-new-tokens", "12", "--speculative-config", json.dumps({"method": "ngram"})])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["token_ids"][: len(expected)] == expected[: len(report["token_ids"])]
+    assert "speculative" in report["stats"]
+    code = main(["generate", "--model", str(path), "--prompt", "x", "--speculative-config", '{"method": "x"}'])
+    assert code == 2 and "specee: error: speculative_config: method must be one of" in capsys.readouterr().err
+
+
+# ---- a real pretrained model: SmolLM2-135M-Instruct (GGUF) ------------------------------------------
+def test_greedy_speculation_on_smollm2():
+    """Lossless on SmolLM2 (dequantized Q4_1 GGUF): prompt lookup chains, an EAGLE tree (random head,
+    EAGLE-3 feature layers) and drafts that are always wrong, against full-depth greedy."""
+    from conftest import MODELS
+
+    path = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        pytest.skip(f"SmolLM2 GGUF not available: {path} is absent")
+    from specee import LLM
+
+    llm = LLM(path, dtype="float32")
+    model, V = llm.model, llm.model.cfg.vocab_size
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = ["Repeat after me: the cat sat on the mat, the cat sat on the mat.", "What is the capital of France?"]
+    for out in llm.generate(prompts, params, chat=True):
+        ids, expected = out.prompt_token_ids, out.token_ids
+        for drafter, tree in ((NGramDrafter(1, V), None),
+                              (EagleDrafter(random_head(model, layers=(2, 15, 29))), TreeShape(3, 3, 8)),
+                              (ScriptedDrafter(len(ids), expected, V, shift=1), None)):
+            assert run(model, llm.tokenizer, drafter, ids, params, tree=tree).output_ids == expected, drafter.name
