@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -612,6 +613,36 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- specee distill --------------------------------------------------------------------------
+def add_distill_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("distill", help="answer instructions with the target: training text for train-draft",
+                       description="Answer the instructions of alpaca-style records with the target itself "
+                                   "(greedy, full depth, chat template, batched) and write them as an alpaca "
+                                   ".json file: the text a draft head should learn (train-draft --data FILE).")
+    add_model_args(p)
+    p.add_argument("-o", "--output", metavar="FILE", required=True, help="the .json file to write")
+    p.add_argument("--data", metavar="PATH", default=None,
+                   help="instruction records: alpaca .json / .jsonl file or directory (default: ../shared/data/calibration)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="answer length cap (default: 256)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="answers decoded together (default: 32)")
+    p.add_argument("--minutes", type=float, default=None, metavar="M",
+                   help="stop after the batch that passes this budget (default: answer every instruction)")
+    p.set_defaults(func=cmd_distill)
+    return p
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from .calibration.self_distill import distill
+
+    if args.minutes is not None and args.minutes <= 0:
+        raise CLIError(f"--minutes must be positive, got {args.minutes}")
+    llm = load_llm(args)
+    t = time.perf_counter()
+    n = distill(llm, args.output, args.data, args.max_new_tokens, args.batch_size, args.minutes)
+    print(f"{n} answers written to {args.output} in {time.perf_counter() - t:.0f} s")
+    return 0
+
+
 # ---- entry point ---------------------------------------------------------------------------
 LIBRARY_NAMES = {"max_tokens": "--max-new-tokens", "top_k": "--top-k", "top_p": "--top-p"}
 
@@ -633,7 +664,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
 
 SUBCOMMANDS: list[Callable[[Any], argparse.ArgumentParser]] = [
     add_generate_parser, add_chat_parser, add_info_parser, add_calibrate_parser, add_bench_parser,
-    add_train_draft_parser]
+    add_train_draft_parser, add_distill_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -436,3 +436,23 @@ def test_cli_errors(tmp_path, capsys):
     assert "unknown" in capsys.readouterr().err
     assert main(["oracle", "--model", model, "--draft", "ngram", "--categories", "nope"]) == 2
     assert "unknown categories" in capsys.readouterr().err
+
+
+def test_cli_speed_speculative(tmp_path, capsys):
+    """Speculative configurations and transformers' prompt-lookup peer in one speed run: lossless
+    against full depth, vLLM's acceptance metrics, and the target's cost per verified row."""
+    out = tmp_path / "speed-spec"
+    stdout = run_cli(["bench", "speed", *common_args(out), "--max-new-tokens", "12", "--repeats", "1", "--warmup", "0",
+                      "--policies", "", "--no-lossless", "--speculative-config", '{"method": "ngram"}',
+                      "--hf-prompt-lookup", "2", "--row-costs"], capsys)
+    r = json.loads((out / "report.json").read_text())
+    assert r["order"] == ["transformers", "full", "spec-ngram-n4", "hf-prompt-lookup"]
+    assert r["identity"]["spec-ngram-n4"]["all_identical"] is True
+    spec = r["configs"]["spec-ngram-n4"]["speculative"]
+    assert spec["drafts"] > 0 and 1.0 <= spec["mean_accepted_length"] <= 5.0
+    assert spec["mean_accepted_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
+    assert len(spec["acceptance_rate_per_position"]) == 4
+    costs = r["row_costs"]
+    assert set(costs["ms"]) == {"float32", "bfloat16", "int8"} and all(m > 0 for ms in costs["ms"].values() for m in ms)
+    assert "int4" in costs["unsupported"]  # stories260K's MLP width (172) is not a multiple of the int4 group
+    assert "## Speculative decoding" in stdout and "int4: not measured" in stdout

@@ -226,3 +226,16 @@ def test_restricted_draft_proposes_the_best_of_its_shortlist(drafter, target_tok
         record_calibration(d.model, target_tok, d, ["hello"], draft_vocab=9000, progress=False)
     d.reset(prompt)
     assert d.propose().tolist() == full_top
+
+
+@needs_models
+def test_draft_model_cache_is_sized_to_the_request_not_the_targets_context(real_llm):
+    """A draft model for early exit starts small and is sized per request (prompt + max tokens), never
+    to the target's whole context (2048 here; 128k-context targets would cost gigabytes up front)."""
+    llm = real_llm("ref-target-24L")
+    drafter = llm.make_drafter(str(MODELS / "ref-draft-4L"), 4)
+    context = llm.model.cfg.max_position_embeddings
+    assert drafter._cache.max_len < context
+    prompt = llm.encode("Tell me about the sea.", chat=True)
+    drafter.reset(prompt, 900)
+    assert len(prompt) + 900 <= drafter._cache.max_len < context

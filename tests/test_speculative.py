@@ -402,3 +402,20 @@ def test_greedy_speculation_on_smollm2():
                               (EagleDrafter(random_head(model, layers=(2, 15, 29))), TreeShape(3, 3, 8)),
                               (ScriptedDrafter(len(ids), expected, V, shift=1), None)):
             assert run(model, llm.tokenizer, drafter, ids, params, tree=tree).output_ids == expected, drafter.name
+
+
+# ---- quantized weights: speculation is lossless against the same quantized model -------------------
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_greedy_speculation_on_quantized_weights(ref, mode):
+    """The int4/int8 kernels verify several rows at once; greedy output still equals the quantized
+    model's own one-token greedy decoding (prompt lookup and an EAGLE tree over a random head)."""
+    from specee import LLM
+
+    llm = LLM(ref[0].model_dir, dtype="float32", quantization=mode)
+    model, V = llm.model, llm.model.cfg.vocab_size
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for out in llm.generate(PROMPTS, params, chat=True):
+        ids, expected = out.prompt_token_ids, out.token_ids
+        for drafter, tree in ((NGramDrafter(1, V), None), (EagleDrafter(random_head(model)), TreeShape(3, 3, 8)),
+                              (ScriptedDrafter(len(ids), expected, V, shift=0), None)):
+            assert run(model, llm.tokenizer, drafter, ids, params, tree=tree).output_ids == expected, drafter.name

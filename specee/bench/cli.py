@@ -154,7 +154,8 @@ def cmd_speed(args: argparse.Namespace) -> int:
                        hf=not args.no_hf, chat=args.chat, ee_options=ee_options(args),
                        show_progress=not args.no_progress, argv=argv_of(args), oracle_layers=args.oracle_layers,
                        speculative=args.speculative_config, hf_prompt_lookup=args.hf_prompt_lookup,
-                       hf_assistant=args.hf_assistant, measure_row_costs=args.row_costs)
+                       hf_assistant=args.hf_assistant, measure_row_costs=args.row_costs,
+                       llama_cpp=args.llama_cpp)
     return finish(args, report, speed_markdown(report),
                   {"exit_histogram.png": plots.plot_exit_histograms, "throughput.png": plots.plot_throughput})
 
@@ -240,8 +241,10 @@ def add_speculative_bench_args(s: argparse.ArgumentParser) -> None:
                    help="peer: transformers assisted generation with prompt lookup of N tokens")
     g.add_argument("--hf-assistant", metavar="DIR", default=None,
                    help="peer: transformers assisted generation with this assistant model")
+    g.add_argument("--llama-cpp", action="store_true",
+                   help="peer: llama.cpp on the same GGUF file (needs llama-cpp-python)")
     g.add_argument("--row-costs", action="store_true",
-                   help="also time one target pass over 1, 2, 4, 8 rows in float32 and bfloat16 (verification cost)")
+                   help="also time one target pass over 1, 2, 4, 8 rows with float32, bfloat16, int8 and int4 weights (verification cost)")
 
 
 # ---- registration -----------------------------------------------------------------------------

@@ -86,18 +86,27 @@ def aggregate_speculative(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---- what limits the gain: the target's cost per verified row --------------------------------------
-def row_costs(model_dir, device, rows: tuple[int, ...] = (1, 2, 4, 8), dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+WEIGHT_FORMATS = (("float32", "float32", None), ("bfloat16", "bfloat16", None), ("int8", "float32", "int8"),
+                  ("int4", "float32", "int4"))  # (label, dtype, quantization); integer kernels run in bfloat16
+
+
+def row_costs(model_dir, device, rows: tuple[int, ...] = (1, 2, 4, 8),
+              formats: tuple[tuple[str, str, str | None], ...] = WEIGHT_FORMATS,
               context: int = 128, repeats: int = 9) -> dict[str, Any]:
     """Milliseconds of one target pass (all layers + LM head) over `rows` rows after `context`
-    committed tokens, per dtype: the price of verifying rows - 1 draft tokens."""
+    committed tokens, per weight format: the price of verifying rows - 1 draft tokens."""
     import torch
 
     from ..engine.llm import DTYPES
     from ..model.llama import Transformer
 
-    out: dict[str, Any] = {"context": context, "rows": list(rows), "ms": {}}
-    for name in dtypes:
-        model = Transformer.load(model_dir, device, DTYPES[name])
+    out: dict[str, Any] = {"context": context, "rows": list(rows), "ms": {}, "unsupported": {}}
+    for name, dtype, quantization in formats:
+        try:
+            model = Transformer.load(model_dir, device, DTYPES[dtype], quantization)
+        except ValueError as e:  # e.g. int4 on a matrix whose width is not a multiple of its group
+            out["unsupported"][name] = str(e)
+            continue
         cache = model.new_cache(1, context + max(rows))
         with torch.inference_mode():
             model.forward(torch.zeros(1, context, dtype=torch.long, device=model.device),
@@ -135,9 +144,10 @@ def speculative_markdown(report: dict[str, Any]) -> str:
                              cfgs[n]["speculative"]["draft_time_share"]] for n in spec], digits=3), ""]
     costs = report.get("row_costs")
     if costs:
-        head = ["dtype"] + [f"{r} row{'s' if r > 1 else ''} (ms)" for r in costs["rows"]] + \
+        head = ["weights"] + [f"{r} row{'s' if r > 1 else ''} (ms)" for r in costs["rows"]] + \
                [f"{r} rows / 1 row" for r in costs["rows"][1:]]
         body = [[d] + ms + [m / ms[0] for m in ms[1:]] for d, ms in costs["ms"].items()]
         lines += [f"### Target pass cost per verified rows (after {costs['context']} tokens)", "",
                   md_table(head, body, digits=2), ""]
+        lines += [f"- {name}: not measured ({why})" for name, why in costs.get("unsupported", {}).items()]
     return "\n".join(lines)

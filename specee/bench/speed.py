@@ -47,7 +47,7 @@ class Run:
 class ConfigSpec:
     name: str
     label: str
-    kind: str  # "hf" | "full" | "early_exit" | "speculative" | "hf_assisted" (bench/speculative.py)
+    kind: str  # "hf" | "full" | "early_exit" | "speculative" | "hf_assisted" (bench/speculative.py) | "llama_cpp"
     config: Any = None  # EarlyExitConfig for kind == "early_exit"
 
 
@@ -204,11 +204,13 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
               chat: str | bool = "auto", ee_options: dict[str, Any] | None = None, show_progress: bool = True,
               argv: Sequence[str] | None = None, oracle_layers: float | None = None,
               speculative: Sequence[dict[str, Any]] = (), hf_prompt_lookup: int | None = None,
-              hf_assistant: str | None = None, measure_row_costs: bool = False) -> dict[str, Any]:
+              hf_assistant: str | None = None, measure_row_costs: bool = False,
+              llama_cpp: bool = False) -> dict[str, Any]:
     """Measure every configuration on `prompts`; returns the report dict (see module doc).
     oracle_layers: the oracle's mean layers run (`specee bench oracle`), for the cost ceilings.
     speculative: speculative_config dicts to run; hf_prompt_lookup / hf_assistant: transformers'
-    assisted generation peers; measure_row_costs: the target's cost per verified row (bench/speculative.py)."""
+    assisted generation peers; measure_row_costs: the target's cost per verified row (bench/speculative.py);
+    llama_cpp: llama.cpp on the same GGUF as a peer (bench/llama_cpp.py)."""
     from .speculative import SPEC_KINDS, SpeculativeRunner, row_costs, speculative_specs
 
     from .common import BenchError
@@ -222,6 +224,15 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
     fitted = [fit_prompt(llm, p.text, use_chat, max_new_tokens) for p in prompts]
     specs = config_specs(draft, bank, k, policies, lossless, hf, ee_options)
     specs += speculative_specs(list(speculative), hf_prompt_lookup, hf_assistant)
+    llama_peer = None
+    if llama_cpp:
+        import torch
+
+        from .llama_cpp import LlamaCppPeer
+
+        llama_peer = LlamaCppPeer(llm.model_dir, torch.get_num_threads(),
+                                  max(len(ids) for ids, _ in fitted) + max_new_tokens)
+        specs.append(ConfigSpec("llama.cpp", "llama.cpp (same GGUF, native kernels)", "llama_cpp"))
     hf_model = None
     if hf or any(s.kind == "hf_assisted" for s in specs):
         if not show_progress:
@@ -239,6 +250,8 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
             return spec_runner.run(spec, ids, n)
         if spec.kind == "hf":
             return hf_run(hf_model, ids, n, sorted(llm.eos_ids))
+        if spec.kind == "llama_cpp":
+            return llama_peer.run(ids, n)
         use_config(llm, spec.config if spec.kind == "early_exit" else None)
         return specee_run(llm, ids, n)
 

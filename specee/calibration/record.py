@@ -22,38 +22,52 @@ from ..model.llama import Transformer
 
 
 # ---- text -------------------------------------------------------------------------------------
-def training_sequences(tokenizer, data: str | Path | None = None, max_len: int = 512) -> list[list[int]]:
-    """Token sequences of the calibration text (default: ../shared/data/calibration): alpaca-style
-    {instruction, input, output} records rendered as a user/assistant exchange with the chat template
-    (raw "instruction\\n\\noutput" without one), {"text"} records as raw text; each cut into pieces of
-    at most `max_len` tokens."""
+def read_records(data: str | Path | None = None) -> list[dict]:
+    """The JSON records of a .json (a list) / .jsonl file, or of every such file in a directory
+    (default: ../shared/data/calibration)."""
     path = Path(data) if data is not None else default_calibration_dir()
     if path is None or not path.exists():
         raise FileNotFoundError(f"training text not found: {data or '../shared/data/calibration'}")
     files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl")) if path.is_dir() else [path]
-    seqs: list[list[int]] = []
+    records: list[dict] = []
     for file in files:
         try:
             text = file.read_text()
-            records = [json.loads(x) for x in text.splitlines() if x.strip()] if file.suffix == ".jsonl" else json.loads(text)
+            recs = [json.loads(x) for x in text.splitlines() if x.strip()] if file.suffix == ".jsonl" else json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{file}: cannot read training text ({e})") from None
-        for rec in records if isinstance(records, list) else []:
-            ids = _encode_record(tokenizer, rec) if isinstance(rec, dict) else None
-            if ids:
-                seqs.extend(ids[i : i + max_len] for i in range(0, len(ids), max_len))
+        records.extend(r for r in (recs if isinstance(recs, list) else []) if isinstance(r, dict))
+    return records
+
+
+def training_sequences(tokenizer, data: str | Path | None = None, max_len: int = 512) -> list[list[int]]:
+    """Token sequences of the training text (see read_records): alpaca-style {instruction, input,
+    output} records rendered as a user/assistant exchange with the chat template (raw
+    "instruction\n\noutput" without one), {"text"} records as raw text; each cut into pieces of
+    at most `max_len` tokens."""
+    seqs: list[list[int]] = []
+    for rec in read_records(data):
+        ids = _encode_record(tokenizer, rec)
+        if ids:
+            seqs.extend(ids[i : i + max_len] for i in range(0, len(ids), max_len))
     seqs = [s for s in seqs if len(s) >= 4]
     if not seqs:
-        raise ValueError(f"{path}: no training text found (expected alpaca-style {{instruction, input, output}} "
-                         "or {text} records in .json/.jsonl files)")
+        raise ValueError(f"{data or '../shared/data/calibration'}: no training text found (expected alpaca-style "
+                         "{instruction, input, output} or {text} records in .json/.jsonl files)")
     return seqs
+
+
+def user_message(rec: dict) -> str:
+    """An alpaca record's question: the instruction, then its input (if any) after a blank line."""
+    user = rec["instruction"].strip()
+    if (rec.get("input") or "").strip():
+        user += "\n\n" + rec["input"].strip()
+    return user
 
 
 def _encode_record(tokenizer, rec: dict) -> list[int] | None:
     if rec.get("instruction") and rec.get("output"):
-        user = rec["instruction"].strip()
-        if (rec.get("input") or "").strip():
-            user += "\n\n" + rec["input"].strip()
+        user = user_message(rec)
         if tokenizer.chat_template is None:
             return tokenizer.encode(user + "\n\n" + rec["output"].strip())
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"].strip()}]

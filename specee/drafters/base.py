@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, probabilities
 
 
 @dataclass
@@ -38,6 +38,43 @@ class Draft:
     probs: torch.Tensor | None = None
 
 
+class DraftChain:
+    """Builds a Draft token by token from a drafter's scores over `columns` (token ids of the
+    score columns; None = ids 0..n-1): greedy takes the argmax, sampling draws from the
+    distribution q and keeps it, spread over the target's `width`, for rejection sampling."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None, columns: torch.Tensor | None,
+                 width: int, device: torch.device):
+        self.params, self.generator, self.columns, self.width, self.device = params, generator, columns, width, device
+        self.tokens: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next draft token ([1], on the device) for scores [1, columns]."""
+        if self.params.greedy:
+            col = logits.argmax(dim=-1)
+        else:
+            q = probabilities(logits, self.params)
+            col = torch.multinomial(q, 1, generator=self.generator).view(1)
+            self.probs.append(q)
+        token = col if self.columns is None else self.columns[col]
+        self.tokens.append(token)
+        return token
+
+    def draft(self) -> Draft:
+        n = len(self.tokens)
+        out = torch.cat(self.tokens) if n else torch.empty(0, dtype=torch.long, device=self.device)
+        if not self.probs:
+            return Draft(out)
+        q = torch.cat(self.probs)
+        full = torch.zeros(n, self.width, device=self.device, dtype=q.dtype)
+        if self.columns is None:
+            full[:, : q.shape[1]] = q
+        else:
+            full.index_copy_(1, self.columns, q)
+        return Draft(out, full)
+
+
 class DrafterMismatchError(ValueError):
     """A drafter cannot serve this target (different tokenizer / vocabulary)."""
 
@@ -49,8 +86,9 @@ class Drafter(ABC):
     scores_vocabulary = False  # True: proposals are an LM head's top-k (`restrict_vocab` applies)
 
     @abstractmethod
-    def reset(self, prompt_ids: list[int]) -> None:
-        """Start a request: the history becomes `prompt_ids`."""
+    def reset(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
+        """Start a request: the history becomes `prompt_ids`; `max_new_tokens` lets a drafter with a
+        cache size it for the request."""
 
     @abstractmethod
     def advance(self, token: int) -> None:

@@ -24,9 +24,9 @@ import torch
 from ..model.llama import Transformer
 from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
-from ..sampling import SamplingParams, probabilities
+from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
-from .base import Draft, Drafter, check_same_tokenizer
+from .base import Draft, DraftChain, Drafter, check_same_tokenizer
 
 
 class DraftModelDrafter(Drafter):
@@ -157,31 +157,14 @@ class DraftModelDrafter(Drafter):
         start = self._n
         n = max(0, min(n, self.context - start))  # draft rows stay inside the draft's context
         self._ensure_capacity(start + n)
-        model, tokens, probs = self.model, [], []
+        model, chain = self.model, DraftChain(params, generator, self._head_ids, width, self.device)
         for j in range(n):
-            logits = self._head(normed)  # [1, scored rows]
-            if params.greedy:
-                pick = logits.argmax(dim=-1)
-            else:
-                q = probabilities(logits, params)
-                pick = torch.multinomial(q, 1, generator=generator).view(1)
-                probs.append(q)
-            token = pick if self._head_ids is None else self._head_ids[pick]
-            tokens.append(token)
+            token = chain.pick(self._head(normed))  # scores over the head's rows
             if j < n - 1:  # the last draft token's K/V is not needed to draft
                 h = model.forward(token.view(1, 1), model.range_inputs(start + j, 1), self._cache)
                 normed = model.norm(h[0])
         self._drafted = max(n - 1, 0)
-        out = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=self.device)
-        if not probs:
-            return Draft(out)
-        q = torch.cat(probs)
-        full = torch.zeros(n, width, device=self.device, dtype=q.dtype)
-        if self._head_ids is None:
-            full[:, : q.shape[1]] = q
-        else:
-            full.index_copy_(1, self._head_ids, q)
-        return Draft(out, full)
+        return chain.draft()
 
     # the draft-tree interface (specee.spec.tree.TreeGrower): candidates sit at slots n + c
     def tree_root(self, candidates: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:

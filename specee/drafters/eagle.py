@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, probabilities
-from .base import Draft, Drafter
+from ..sampling import SamplingParams
+from .base import Draft, DraftChain, Drafter
 from .eagle_head import EagleHead
 
 
@@ -73,24 +73,12 @@ class EagleDrafter(Drafter):
         head, h = self.head, self._last
         n = max(0, min(n, self.context - self._n))
         self._ensure_capacity(self._n + n)
-        tokens, probs = [], []
+        chain = DraftChain(params, generator, head.shortlist, width, self.device)
         for j in range(n):
-            logits = head.logits(h[0])  # [1, shortlist]
-            if params.greedy:
-                pick = logits.argmax(dim=-1)
-            else:
-                q = probabilities(logits, params)
-                pick = torch.multinomial(q, 1, generator=generator).view(1)
-                probs.append(q)
-            token = head.shortlist[pick]
-            tokens.append(token)
+            token = chain.pick(head.logits(h[0]))  # scores over the shortlist
             if j < n - 1:
                 h = head.forward(h, token.view(1, 1), self.target.range_inputs(self._n + j, 1), self._cache)
-        out = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=self.device)
-        if not probs:
-            return Draft(out)
-        full = torch.zeros(n, width, device=self.device, dtype=probs[0].dtype)
-        return Draft(out, full.index_copy_(1, head.shortlist, torch.cat(probs)))
+        return chain.draft()
 
     def tree_root(self, candidates: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._n + candidates > self.context:
@@ -116,7 +104,7 @@ class EagleDrafter(Drafter):
         raise TypeError("the EAGLE drafter reads the target's hidden states; it serves speculative decoding "
                         "(begin/draft/commit), not the early-exit drafter interface")
 
-    def reset(self, prompt_ids: list[int]) -> None:
+    def reset(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
         self._no_features()
 
     def advance(self, token: int) -> None:

@@ -248,7 +248,7 @@ class DecodeRun:
         # so the first generated token can exit too (it is all a multiple-choice answer has).
         if len(seq.prompt_ids) > 1:
             prefill(model, self.cache, [seq.prompt_ids[:-1]])
-        self.dec.drafter.reset(seq.prompt_ids)
+        self.dec.drafter.reset(seq.prompt_ids, self.params.max_tokens)  # sizes a draft model's cache
         t1 = time.perf_counter()
         while True:
             if self.done():

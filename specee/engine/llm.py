@@ -115,8 +115,7 @@ class LLM:
         if draft == "ngram":
             return NGramDrafter(k, self.model.cfg.vocab_size, self.model.device)
         return DraftModelDrafter(draft, self.tokenizer, k, self.model.device, self.model.dtype,
-                                 max_len=self.model.cfg.max_position_embeddings, target_dir=self.model_dir,
-                                 quantization=self.quantization)
+                                 target_dir=self.model_dir, quantization=self.quantization)  # cache grows per request
 
     def enable_early_exit(self, config: EarlyExitConfig) -> None:
         drafter = self.make_drafter(config.draft, config.k)
