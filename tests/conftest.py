@@ -97,3 +97,20 @@ def tiny_llm(tiny_checkpoint):
     from specee import LLM
 
     return functools.cache(lambda variant: LLM(tiny_checkpoint(variant), dtype="float32"))
+
+
+def greedy_with_margins(model, prompt: list[int], steps: int) -> tuple[list[int], list]:
+    """One-token greedy decoding of a Transformer, with each step's logits (the plain reference)."""
+    import torch
+
+    cache = model.new_cache(1, len(prompt) + steps)
+    ids, logits = list(prompt), []
+    with torch.inference_mode():
+        h = model.forward(torch.tensor([prompt]), model.range_inputs(0, len(prompt)), cache)[:, -1:]
+        for _ in range(steps):
+            row = model.logits(h)[0, -1]
+            logits.append(row)
+            ids.append(int(row.argmax()))
+            n = len(ids) - 1
+            h = model.forward(torch.tensor([[ids[-1]]]), model.range_inputs(n, 1), cache)
+    return ids[len(prompt):], logits

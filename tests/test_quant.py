@@ -20,7 +20,7 @@ from specee.model.llama import Transformer
 from specee.model.quant import (FloatLinear, GGUFWeight, Int4Linear, Int8Linear, gguf_int4_codes,
                                 linear_from_parts)
 
-from conftest import real_model_dir
+from conftest import greedy_with_margins, real_model_dir
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 CPU = torch.device("cpu")
@@ -149,20 +149,6 @@ def dequantized_twin(model: Transformer) -> Transformer:
     return twin
 
 
-def greedy_with_margins(model: Transformer, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    cache = model.new_cache(1, len(prompt) + steps)
-    ids, logits = list(prompt), []
-    with torch.inference_mode():
-        h = model.forward(torch.tensor([prompt]), model.range_inputs(0, len(prompt)), cache)[:, -1:]
-        for _ in range(steps):
-            row = model.logits(h)[0, -1]
-            logits.append(row)
-            ids.append(int(row.argmax()))
-            n = len(ids) - 1
-            h = model.forward(torch.tensor([[ids[-1]]]), model.range_inputs(n, 1), cache)
-    return ids[len(prompt):], logits
-
-
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_greedy_quantized_model_equals_its_dequantized_float_model(mode):
     path = real_model_dir("ref-target-24L")
@@ -186,3 +172,8 @@ def test_resident_weight_bytes_shrink():
     sizes = {mode: Transformer.load(path, "cpu", torch.float32, quantization=mode).weight_bytes()
              for mode in (None, "int8", "int4")}
     assert sizes["int4"] < sizes["int8"] < sizes[None]
+
+
+def test_int8_refuses_an_input_dim_its_kernel_gets_wrong():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int8Linear.from_float(torch.randn(32, 172))

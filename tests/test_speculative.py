@@ -408,14 +408,19 @@ def test_greedy_speculation_on_smollm2():
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_greedy_speculation_on_quantized_weights(ref, mode):
     """The int4/int8 kernels verify several rows at once; greedy output still equals the quantized
-    model's own one-token greedy decoding (prompt lookup and an EAGLE tree over a random head)."""
+    model's own one-token greedy decoding (prompt lookup and an EAGLE tree over a random head).
+    The reference is decoded one request at a time: a padded batch changes the attention kernel, and
+    bfloat16 activations can turn that rounding into a flipped near-tie (seen: 5.906 vs 5.875)."""
     from specee import LLM
 
     llm = LLM(ref[0].model_dir, dtype="float32", quantization=mode)
     model, V = llm.model, llm.model.cfg.vocab_size
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    for out in llm.generate(PROMPTS, params, chat=True):
-        ids, expected = out.prompt_token_ids, out.token_ids
+    for prompt in PROMPTS:
+        ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        from conftest import greedy_with_margins
+
+        expected, _ = greedy_with_margins(model, ids, params.max_tokens)
         for drafter, tree in ((NGramDrafter(1, V), None), (EagleDrafter(random_head(model)), TreeShape(3, 3, 8)),
                               (ScriptedDrafter(len(ids), expected, V, shift=0), None)):
             assert run(model, llm.tokenizer, drafter, ids, params, tree=tree).output_ids == expected, drafter.name

@@ -240,12 +240,14 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
 def _train_steps(head: EagleHead, optimizer: torch.optim.AdamW, rec: Record, last: torch.Tensor, train: list[int],
                  recipe: Recipe, done: dict, deadline: float, ckpt: Path, progress: bool) -> None:
     """Optimizer steps over shuffled epochs of `train` until the deadline (or recipe.max_steps); warmup,
-    then cosine decay to a tenth over the remaining time; checkpoints every recipe.checkpoint_seconds
-    and at the end. Updates `done` (steps, tokens)."""
+    then cosine decay to a tenth over the whole training time, earlier runs included, so a resumed run
+    continues the schedule instead of restarting it; checkpoints every recipe.checkpoint_seconds and
+    at the end. Updates `done` (steps, tokens)."""
     device = head.target.device
     gen = torch.Generator(device=device).manual_seed(recipe.seed + done["steps"])
     train_start = last_ckpt = time.monotonic()
-    budget = max(deadline - train_start, 1e-6)
+    before = done["train_seconds"]
+    budget = max(before + deadline - train_start, 1e-6)
 
     def more() -> bool:
         return time.monotonic() < deadline and (recipe.max_steps is None or done["steps"] < recipe.max_steps)
@@ -257,7 +259,7 @@ def _train_steps(head: EagleHead, optimizer: torch.optim.AdamW, rec: Record, las
         for group in batches_of(rec, [train[i] for i in order.tolist()], recipe.batch_tokens):
             if not more():
                 break
-            frac = min((time.monotonic() - train_start) / budget, 1.0)
+            frac = min((before + time.monotonic() - train_start) / budget, 1.0)
             warm = min(1.0, (done["steps"] + 1) / recipe.warmup_steps)
             for g in optimizer.param_groups:
                 g["lr"] = recipe.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))

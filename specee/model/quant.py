@@ -96,6 +96,8 @@ class Int8Linear(_KernelLinear):
     """int8 weights, one scale per output channel (symmetric): W = q * scale[:, None]."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        if qweight.shape[1] % 16:  # measured: other K give inf/nan for one row and crash for several
+            raise ValueError(f"int8 needs the input dim ({qweight.shape[1]}) to be a multiple of 16")
         self.qweight = qweight  # int8 [N, K]
         self.scales = scales.to(KERNEL_DTYPE)  # [N]; the kernel reads them in the activations' dtype
         self.bias = bias
