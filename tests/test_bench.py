@@ -473,20 +473,26 @@ def test_llama_cpp_peer_refuses_what_it_cannot_run(monkeypatch):
 
 
 def test_llama_cpp_peer_decodes_the_same_gguf_greedily():
-    """llama.cpp's Q4_1 kernels (int8 activations) are not specee's float arithmetic, so tokens may
-    part at a near-tie; the first tokens of a plain question must agree, and the count is exact."""
+    """llama.cpp runs Q4_1 with int8 activations, not specee's float arithmetic, so greedy tokens may
+    part at a near-tie (this prompt: 'L' 25.00 vs 'The' 24.91 in llama.cpp, the other way in
+    float32). What must hold: exactly the tokens asked for, each among the top few of the same
+    model's float logits when teacher-forced (a wrong file, template or position would fail)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional extra specee[llama-cpp])")
     from conftest import MODELS
 
     gguf = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not gguf.exists():
         pytest.skip(f"real model SmolLM2 not available: {gguf} is absent")
-    from specee import LLM, SamplingParams
+    from specee import LLM
     from specee.bench.llama_cpp import LlamaCppPeer
 
     llm = LLM(gguf, progress=False)
     ids = llm.encode("What is the capital of France?", chat=True)
     run = LlamaCppPeer(gguf, 2, len(ids) + 16).run(ids, 12)
-    want = llm.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     assert run.tokens == 12 and len(run.token_ids) == 12 and run.decode_tokens == 11
-    assert run.token_ids[:4] == want[:4], (llm.tokenizer.decode(run.token_ids), llm.tokenizer.decode(want))
+    model, seq = llm.model, ids + run.token_ids
+    with torch.inference_mode():
+        h = model.forward(torch.tensor([seq]), model.range_inputs(0, len(seq)), model.new_cache(1, len(seq)))
+        logits = model.logits(h)[0, len(ids) - 1:-1]
+    ranks = (logits > logits.gather(1, torch.tensor(run.token_ids)[:, None])).sum(1)
+    assert int(ranks.max()) < 5, (ranks.tolist(), llm.tokenizer.decode(run.token_ids))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
+
 from .common import BenchError
 
 
@@ -26,6 +28,12 @@ class LlamaCppPeer:
         self.model = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
                            n_batch=1, verbose=False)
 
+    def _argmax(self) -> int:
+        """The last evaluated token's logits, read in place (`Llama.scores` holds them only with
+        logits_all, which would copy every row)."""
+        logits = np.ctypeslib.as_array(self.model._ctx.get_logits(), shape=(self.model.n_vocab(),))
+        return int(logits.argmax())
+
     def run(self, ids: list[int], max_new_tokens: int):
         from .speed import Run
 
@@ -34,11 +42,10 @@ class LlamaCppPeer:
         t0 = time.perf_counter()
         for token in ids:
             m.eval([token])
-        first = int(m.scores[m.n_tokens - 1].argmax())
+        out = [self._argmax()]
         t1 = time.perf_counter()
-        out = [first]
         while len(out) < max_new_tokens:
             m.eval([out[-1]])
-            out.append(int(m.scores[m.n_tokens - 1].argmax()))
+            out.append(self._argmax())
         t2 = time.perf_counter()
         return Run(len(out), t1 - t0, t2 - t1, len(out) - 1, out)
