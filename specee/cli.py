@@ -62,8 +62,9 @@ def device_arg(value: str) -> str:
     raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose cpu, cuda or cuda:N)")
 
 
-def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True) -> None:
-    """--model, plus --device and --dtype when the command runs the model."""
+def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastest: bool = False) -> None:
+    """--model, plus --device, --dtype and --quantization when the command runs the model; `fastest`:
+    the command decodes for a user (generate, chat), so its defaults are the fastest measured."""
     g = parser.add_argument_group("model")
     g.add_argument("--model", metavar="PATH|ID", default=None,
                    help="a Hugging Face checkpoint directory, a .gguf file (or a directory holding one), or a hub "
@@ -76,16 +77,29 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True) -> Non
                        help="where to run (default: cpu; cuda:N picks a GPU)")
         g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
-        add_quantization_arg(g)
+        add_quantization_arg(g, fastest)
 
 
-QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), or auto (a GGUF's "
-                     "own precision: Q4 -> int4, Q5/Q6/Q8 -> int8, float -> none; default: none, float weights)")
+QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), auto (a GGUF's "
+                     "own precision: Q4 -> int4, Q5/Q6/Q8 -> int8, float -> none) or none (float weights)")
+FASTEST_QUANTIZATION = {"cpu": "auto"}  # measured on SmolLM2 Q4_1, 2 CPU threads: 3.9x float32 (BENCHMARKS.md)
 
 
-def add_quantization_arg(group) -> None:
+def add_quantization_arg(group, fastest: bool = False) -> None:
     """--quantization, for every command that runs a model (shared with `specee bench`)."""
-    group.add_argument("--quantization", choices=("int4", "int8", "auto"), default=None, help=QUANTIZATION_HELP)
+    default = ("auto on CPU (the fastest measured; a checkpoint with float weights stays float), none on CUDA"
+               if fastest else "none")
+    group.add_argument("--quantization", choices=("int4", "int8", "auto", "none"), default=None,
+                       help=f"{QUANTIZATION_HELP}; default: {default}")
+    group.set_defaults(fastest_quantization=fastest)
+
+
+def quantization_mode(args: argparse.Namespace) -> str | None:
+    """The quantization LLM(...) gets: the flag, else the command's default for the device."""
+    mode = args.quantization
+    if mode is None and getattr(args, "fastest_quantization", False):
+        mode = FASTEST_QUANTIZATION.get(args.device)
+    return None if mode == "none" else mode
 
 
 def _int_at_least(value: str, low: int, what: str) -> int:
@@ -141,13 +155,14 @@ DEFAULT_DRAFT = Path("../shared/models/ref-draft-4L")
 def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("early exit (SpecEE)")
     g.add_argument("--draft", metavar="DIR|ngram", default=None,
-                   help="drafter for the speculative tokens: a draft model (directory or .gguf) sharing the "
-                        "target's tokenizer, or 'ngram' (training-free prompt lookup). Default: ref-draft-4L for "
-                        "the reference model ref-target-24L; without a drafter, decoding runs at full depth")
+                   help="turns early exit on, with this drafter for the speculative tokens: a draft model "
+                        "(directory or .gguf) sharing the target's tokenizer, or 'ngram' (training-free prompt "
+                        "lookup). Default: none, full depth (early exit measured slower than full depth on "
+                        "every model so far, see BENCHMARKS.md)")
     g.add_argument("--bank", metavar="DIR", default=None,
                    help="predictor bank from `specee calibrate` (default: calibrate once and cache it under "
                         "~/.cache/specee, or $SPECEE_CACHE)")
-    g.add_argument("--no-exit", action="store_true", help="run every token at full depth")
+    g.add_argument("--no-exit", action="store_true", help="run every token at full depth, even with --draft")
     g.add_argument("--mode", choices=("lossy", "lossless"), default="lossy",
                    help="lossy: SpecEE's early exit; lossless: exits are drafts verified by the full model, "
                         "output identical to full depth (default: lossy)")
@@ -165,26 +180,25 @@ def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
 
 
 def default_draft(model_dir: Path) -> Path | None:
-    """The reference draft, when the target is the project's reference model (other models run at full
-    depth unless --draft is given: on SmolLM2 early exit measured slower than full depth)."""
+    """`specee calibrate`'s drafter when none is given: the reference draft, for the project's
+    reference model (a bank for the pair its figures are measured on)."""
     if model_dir.is_dir() and model_dir.name == REFERENCE_MODEL:
         draft = model_dir.parent / DEFAULT_DRAFT.name
         return draft if draft.is_dir() else None
     return None
 
 
-def early_exit_config(args: argparse.Namespace, model_dir: Path):
+def early_exit_config(args: argparse.Namespace):
     """The EarlyExitConfig the flags ask for, or None for full depth."""
     from .engine.early_exit import EarlyExitConfig
 
     if getattr(args, "no_exit", True):
         return None
-    draft = args.draft if args.draft is not None else default_draft(model_dir)
-    if draft is None:
+    if args.draft is None:
         if args.bank is not None or args.mode == "lossless":
             raise CLIError("early exit needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
         return None
-    return EarlyExitConfig(draft=str(draft), bank=args.bank, k=args.k, kv_policy=args.kv_policy, mode=args.mode,
+    return EarlyExitConfig(draft=str(args.draft), bank=args.bank, k=args.k, kv_policy=args.kv_policy, mode=args.mode,
                            offline_size=args.offline_size, online_window=args.online_window,
                            max_pending=args.max_pending, threshold_scale=args.threshold_scale)
 
@@ -223,11 +237,12 @@ def load_llm(args: argparse.Namespace):
 
         speculative = SpeculativeConfig.parse(speculative)  # before loading: bad configs fail fast
         args.no_exit = True
-    config = early_exit_config(args, model_dir) if hasattr(args, "no_exit") else None
-    llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=args.quantization,
+    config = early_exit_config(args) if hasattr(args, "no_exit") else None
+    quantization = quantization_mode(args)
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
               speculative_config=speculative)
     if args.quantization:
-        note(f"{args.quantization} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
+        note(f"{quantization or 'float'} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
     return llm
 
 
@@ -274,7 +289,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt; '-' reads it from stdin")
     p.add_argument("--no-chat", action="store_true",
                    help="use the prompt as raw text (default: wrap it in the model's chat template if it has one)")
-    add_model_args(p)
+    add_model_args(p, fastest=True)
     add_sampling_args(p)
     add_early_exit_args(p)
     add_speculative_args(p)
@@ -330,7 +345,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
                        description="Interactive chat. Each turn renders the whole conversation with the "
                                    f"model's chat template. {CHAT_HELP}.")
     p.add_argument("--system", metavar="TEXT", default=None, help="a system message that starts the conversation")
-    add_model_args(p)
+    add_model_args(p, fastest=True)
     add_sampling_args(p)
     add_early_exit_args(p)
     add_speculative_args(p)

@@ -1,6 +1,7 @@
 """End-to-end tests of the `specee` command line, run in-process through `specee.cli.main`."""
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -232,3 +233,22 @@ def test_python_dash_m():
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "LlamaForCausalLM" in done.stdout
+
+
+def test_generate_defaults_to_the_fastest_measured_weights():
+    """On CPU, generate and chat run a GGUF's own quantized blocks natively unless told otherwise (on
+    CUDA nothing is measured yet: float); the benchmark keeps float weights as its reference."""
+    from specee.bench.cli import add_bench_parser
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    cli.add_generate_parser(sub)
+    cli.add_chat_parser(sub)
+    add_bench_parser(sub)
+    mode = lambda *argv: cli.quantization_mode(parser.parse_args(list(argv)))  # noqa: E731
+    assert mode("generate", "--prompt", "x") == "auto" and mode("chat") == "auto"
+    assert mode("generate", "--prompt", "x", "--device", "cuda") is None
+    assert mode("generate", "--prompt", "x", "--quantization", "none") is None
+    assert mode("generate", "--prompt", "x", "--quantization", "int8", "--device", "cuda") == "int8"
+    assert mode("bench", "speed", "--draft", "ngram") is None
+    assert mode("bench", "speed", "--draft", "ngram", "--quantization", "int4") == "int4"

@@ -27,7 +27,7 @@ def llm(real_llm):
 
 @pytest.fixture(scope="module")
 def texts(llm):
-    return training_sequences(llm.tokenizer, max_len=40)[:20]
+    return training_sequences(llm.tokenizer, max_len=40)[0][:20]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +50,13 @@ def test_recorder_reads_the_targets_hidden_states(llm, texts):
     seqs = [s[:n] for s, n in zip(texts, lengths)]
     layers = (0, 2, 3)
     shortlist = torch.arange(0, 512, 3)
-    rec = record(model, seqs, layers, shortlist, top_k=4, batch_tokens=200, store_dtype=torch.float32, progress=False)
+    loss_from = [0, 5, 24, 3, 29]
+    rec = record(model, seqs, layers, shortlist, top_k=4, batch_tokens=200, store_dtype=torch.float32, progress=False,
+                 loss_from=loss_from)
     assert sorted(rec.sources.tolist()) == list(range(len(seqs)))
     for r, src in enumerate(rec.sources.tolist()):
         a, b = int(rec.starts[r]), int(rec.starts[r + 1])
+        assert rec.trained[a:b].tolist() == [n >= loss_from[src] for n in range(lengths[src])]
         hs = model.hidden_states(seqs[src])  # [L + 1, S, H], index i + 1 = output of layer i
         torch.testing.assert_close(rec.features[a:b], torch.cat([hs[i + 1] for i in layers], -1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(rec.last[a:b], hs[-1], atol=1e-5, rtol=1e-5)

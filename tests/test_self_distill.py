@@ -47,8 +47,11 @@ def test_answers_are_the_targets_own_greedy_answers(llm, tmp_path):
         assert got["output"] == alone.text
         assert got["output"] != rec["output"]  # the human answer is replaced
     # train-draft reads the file: a user turn and the target's answer per record
-    seqs = training_sequences(llm.tokenizer, tmp_path / "out.json")
+    seqs, loss_from = training_sequences(llm.tokenizer, tmp_path / "out.json")
     assert len(seqs) == 3
+    for ids, start, rec in zip(seqs, loss_from, out):  # the loss starts where the target's answer does
+        prompt = llm.encode(user_message(rec), chat=True)
+        assert ids[: len(prompt)] == prompt and start == len(prompt) - 1
 
 
 def test_time_budget_stops_after_a_batch_and_the_file_is_whole(llm, tmp_path):

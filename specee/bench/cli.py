@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli import DTYPE_CHOICES, add_quantization_arg, device_arg, non_negative_int, positive_int, speculative_k
+from ..cli import (DTYPE_CHOICES, add_quantization_arg, device_arg, non_negative_int, positive_int, quantization_mode,
+                   speculative_k)
 from .common import (DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, load_prompts, parse_list, write_json,
                      write_text)
 
@@ -106,7 +107,8 @@ def load_target(args: argparse.Namespace, model: Path):
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise BenchError(f"--device {args.device}: CUDA is not available (torch {torch.__version__})")
-    return LLM(model, device=args.device, dtype=args.dtype, progress=not args.no_progress, quantization=args.quantization)
+    return LLM(model, device=args.device, dtype=args.dtype, progress=not args.no_progress,
+               quantization=quantization_mode(args))
 
 
 def prompts_from(args: argparse.Namespace):

@@ -40,21 +40,27 @@ def read_records(data: str | Path | None = None) -> list[dict]:
     return records
 
 
-def training_sequences(tokenizer, data: str | Path | None = None, max_len: int = 512) -> list[list[int]]:
+def training_sequences(tokenizer, data: str | Path | None = None,
+                       max_len: int = 512) -> tuple[list[list[int]], list[int]]:
     """Token sequences of the training text (see read_records): alpaca-style {instruction, input,
     output} records rendered as a user/assistant exchange with the chat template (raw
     "instruction\n\noutput" without one), {"text"} records as raw text; each cut into pieces of
-    at most `max_len` tokens."""
+    at most `max_len` tokens. Also, per piece, the first position whose next token is trained:
+    the answer's, as EAGLE masks its loss to the assistant's turns (a head is judged on what the
+    target writes, and system prompts repeated in every record would inflate its accuracy)."""
     seqs: list[list[int]] = []
+    starts: list[int] = []
     for rec in read_records(data):
-        ids = _encode_record(tokenizer, rec)
-        if ids:
-            seqs.extend(ids[i : i + max_len] for i in range(0, len(ids), max_len))
-    seqs = [s for s in seqs if len(s) >= 4]
+        ids, answer = _encode_record(tokenizer, rec)
+        for i in range(0, len(ids), max_len):
+            piece = ids[i : i + max_len]
+            if len(piece) >= 4 and answer - 1 - i < len(piece) - 1:
+                seqs.append(piece)
+                starts.append(max(0, answer - 1 - i))
     if not seqs:
         raise ValueError(f"{data or '../shared/data/calibration'}: no training text found (expected alpaca-style "
                          "{instruction, input, output} or {text} records in .json/.jsonl files)")
-    return seqs
+    return seqs, starts
 
 
 def user_message(rec: dict) -> str:
@@ -65,17 +71,21 @@ def user_message(rec: dict) -> str:
     return user
 
 
-def _encode_record(tokenizer, rec: dict) -> list[int] | None:
+def _encode_record(tokenizer, rec: dict) -> tuple[list[int], int]:
+    """The record's tokens and where its answer starts (0 for plain text; no tokens: skipped)."""
     if rec.get("instruction") and rec.get("output"):
         user = user_message(rec)
         if tokenizer.chat_template is None:
-            return tokenizer.encode(user + "\n\n" + rec["output"].strip())
-        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"].strip()}]
+            return tokenizer.encode(user + "\n\n" + rec["output"].strip()), len(tokenizer.encode(user + "\n\n"))
+        question = [{"role": "user", "content": user}]
+        messages = question + [{"role": "assistant", "content": rec["output"].strip()}]
+        prefix = tokenizer.encode(tokenizer.apply_chat_template(question, add_generation_prompt=True),
+                                  add_special_tokens=False)
         return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False),
-                                add_special_tokens=False)
+                                add_special_tokens=False), len(prefix)
     if isinstance(rec.get("text"), str) and rec["text"].strip():
-        return tokenizer.encode(rec["text"].strip())
-    return None
+        return tokenizer.encode(rec["text"].strip()), 0
+    return [], 0
 
 
 # ---- the record -------------------------------------------------------------------------------
@@ -91,6 +101,7 @@ class Record:
     argmax: torch.Tensor  # [N] long: the target's next token after n (whole vocabulary)
     top_cols: torch.Tensor  # [N, K] long: shortlist columns of its top-k shortlisted tokens
     top_probs: torch.Tensor  # [N, K] float: their probabilities, renormalized to sum 1
+    trained: torch.Tensor  # [N] bool: n's next token counts in the loss and the held-out metrics
 
     def last_hidden(self, feature_layers: tuple[int, ...], num_layers: int) -> torch.Tensor:
         """[N, H]: the last layer's output (a view of `features` when it is one of them)."""
@@ -112,16 +123,18 @@ class Record:
         from safetensors.torch import load_file
 
         t = load_file(str(path))
+        t.setdefault("trained", torch.ones(len(t["tokens"]), dtype=torch.bool))  # recorded before answer masks
         return cls(**{f.name: t[f.name] for f in fields(cls)})
 
 
 @torch.no_grad()
 def record(model: Transformer, sequences: list[list[int]], feature_layers: tuple[int, ...], shortlist: torch.Tensor,
            top_k: int = 8, batch_tokens: int = 4096, store_dtype: torch.dtype = torch.bfloat16,
-           deadline: float | None = None, seed: int = 0, progress: bool = True) -> Record:
+           deadline: float | None = None, seed: int = 0, progress: bool = True,
+           loss_from: list[int] | None = None) -> Record:
     """Teacher-forced pass over `sequences`, batched by similar length, the batches in a seeded random
     order; stops after the batch that passes `deadline` (time.monotonic()), so a partial record is an
-    unbiased sample."""
+    unbiased sample. loss_from: per sequence, the first trained position (default 0: all)."""
     L = model.cfg.num_layers
     dev = model.device
     keep_last = L - 1 not in feature_layers
@@ -158,6 +171,8 @@ def record(model: Transformer, sequences: list[list[int]], feature_layers: tuple
         probs = torch.softmax(logits, dim=-1)
         top_probs, top_cols = torch.topk(probs.index_select(1, shortlist), k)  # the softmax is the whole vocabulary's
         parts["tokens"].append(ids.reshape(-1)[valid].cpu())
+        parts["trained"].append(torch.cat([torch.arange(len(r)) >= (loss_from[j] if loss_from else 0)
+                                           for j, r in zip(batch, rows)]))
         parts["features"].append(torch.cat([kept[i] for i in feature_layers], -1).to("cpu", store_dtype))
         parts["last"].append(last.to("cpu", store_dtype) if keep_last else torch.zeros(0, dtype=store_dtype))
         parts["argmax"].append(logits.argmax(-1).cpu())

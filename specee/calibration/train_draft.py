@@ -26,7 +26,7 @@ from ..model.llama import Transformer
 from .record import Record, record, training_sequences
 
 CHECKPOINT_DIR = "checkpoint"
-RECIPE_NAME = "eagle-ttt-v1"
+RECIPE_NAME = "eagle-ttt-v2"  # v2: loss on the answers only
 MAX_DEFAULT_SHORTLIST = 4096  # FR-Spec: a quarter of the vocabulary by frequency, at most 4k tokens
 
 
@@ -67,12 +67,10 @@ def make_batch(rec: Record, seqs: list[int], last: torch.Tensor, device: torch.d
             out[r, : b - a] = t[a:b]
         return out.to(device)
 
-    valid = torch.zeros(len(spans), T, dtype=torch.bool)
-    for r, (a, b) in enumerate(spans):
-        valid[r, : b - a] = True
+    valid = pad(rec.trained, False)  # padding and untrained positions take no loss
     return {"tokens": pad(rec.tokens), "features": pad(rec.features).float(), "last": pad(last).float(),
             "argmax": pad(rec.argmax, -1), "top_cols": pad(rec.top_cols), "top_probs": pad(rec.top_probs).float(),
-            "valid": valid.to(device)}
+            "valid": valid}
 
 
 def unroll_mask(T: int, m: int, device: torch.device) -> torch.Tensor:
@@ -195,11 +193,13 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
         rec = Record.load(ckpt / "record.safetensors")
         shortlist = torch.tensor(state["shortlist"], dtype=torch.long)
     else:
-        sequences = training_sequences(llm.tokenizer, data, recipe.max_len)[: recipe.max_sequences]
+        sequences, loss_from = training_sequences(llm.tokenizer, data, recipe.max_len)
+        sequences, loss_from = sequences[: recipe.max_sequences], loss_from[: recipe.max_sequences]
         train_seqs = [s for i, s in enumerate(sequences) if i % recipe.held_out_every]
         shortlist = frequency_shortlist(train_seqs, cfg.vocab_size, head_cfg.shortlist_size)
         rec = record(target, sequences, head_cfg.feature_layers, shortlist, recipe.top_k,
-                     deadline=t_start + recipe.record_fraction * minutes * 60, seed=recipe.seed, progress=progress)
+                     deadline=t_start + recipe.record_fraction * minutes * 60, seed=recipe.seed, progress=progress,
+                     loss_from=loss_from)
         ckpt.mkdir(parents=True, exist_ok=True)
         rec.save(ckpt / "record.safetensors")
     held = [i for i, src in enumerate(rec.sources.tolist()) if src % recipe.held_out_every == 0]
@@ -224,8 +224,8 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
         "recipe": RECIPE_NAME, "training": asdict(recipe), "target": str(llm.model_dir),
         "data": {"source": str(data or "../shared/data/calibration"), "sequences_recorded": len(rec.sources),
                  "train_sequences": len(train), "held_out_sequences": len(held),
-                 "train_positions": int(sum(int(rec.starts[i + 1] - rec.starts[i]) for i in train)),
-                 "held_out_positions": int(sum(int(rec.starts[i + 1] - rec.starts[i]) for i in held)),
+                 "train_positions": _trained_positions(rec, train),
+                 "held_out_positions": _trained_positions(rec, held),
                  "held_out_shortlist_coverage": _coverage(rec, held, shortlist)},
         "steps": done["steps"], "steps_this_run": done["steps"] - steps_before, "train_tokens": done["tokens"],
         "seconds_this_run": round(time.monotonic() - t_start, 1),
@@ -284,9 +284,14 @@ def _train_steps(head: EagleHead, optimizer: torch.optim.AdamW, rec: Record, las
     _save_checkpoint(ckpt, head, optimizer, recipe, done, time.monotonic() - train_start)
 
 
+def _trained_positions(rec: Record, seqs: list[int]) -> int:
+    return sum(int(rec.trained[int(rec.starts[i]):int(rec.starts[i + 1])].sum()) for i in seqs)
+
+
 def _coverage(rec: Record, seqs: list[int], shortlist: torch.Tensor) -> float:
     """Share of the held-out positions whose target token is in the shortlist (top-1 ceiling)."""
     idx = torch.cat([torch.arange(int(rec.starts[i]), int(rec.starts[i + 1])) for i in seqs])
+    idx = idx[rec.trained[idx]]
     return round(float(torch.isin(rec.argmax[idx], shortlist).float().mean()), 4)
 
 
