@@ -343,3 +343,27 @@ def test_stream_real_multibyte_text(real_llm, name):
     assert "".join(deltas) == final.text
     tok = llm.tokenizer
     assert tok.decode(final.prompt_token_ids + final.token_ids) == tok.decode(final.prompt_token_ids) + final.text
+
+
+def test_stream_runs_in_the_callers_thread_and_stops_when_closed(llm, monkeypatch):
+    """No worker thread (a second OpenMP team halved CPU decode speed); closing the iterator stops
+    decoding at once."""
+    import threading
+
+    from specee.engine import full_depth
+
+    threads, decoded = set(), []
+    real_step = full_depth.decode_step
+
+    def spy(*args, **kwargs):
+        threads.add(threading.get_ident())
+        decoded.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(full_depth, "decode_step", spy)
+    stream = llm.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        next(stream)
+    stream.close()
+    assert threads == {threading.get_ident()}
+    assert 2 <= len(decoded) <= 4  # nothing decoded after the close

@@ -20,7 +20,7 @@ reach the Sequence, so only verified text is streamed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -177,15 +177,18 @@ class EarlyExitDecoder:
         return TwoLevelScheduler(self.model.cfg.num_layers, self.offline_layers, self.thresholds,
                                  c.online_window, c.online_radius)
 
-    @torch.inference_mode()
-    def generate(self, seq: Sequence, on_text: Callable[[int, str], None] | None = None,
-                 force_exit: Callable[[int, int], bool] | None = None) -> "DecodeRun":
+    def generate(self, seq: Sequence, force_exit: Callable[[int, int], bool] | None = None) -> "DecodeRun":
         """Decode `seq` to completion; returns the run (its cache and stats, for inspection).
         `force_exit(step, layer)`, for tests, replaces the predictor (it is asked at every layer
         but the last, whatever the schedule)."""
-        run = DecodeRun(self, seq, on_text, force_exit)
-        run.go()
+        run = DecodeRun(self, seq, force_exit)
+        for _ in run.steps():
+            pass
         return run
+
+    def steps(self, seq: Sequence) -> Iterator[None]:
+        """Decode `seq`, yielding after each step (the caller reads the sequence)."""
+        return DecodeRun(self, seq, None).steps()
 
     @torch.inference_mode()
     def teacher_forced(self, seq: Sequence, continuation: list[int],
@@ -195,17 +198,18 @@ class EarlyExitDecoder:
         then feed the given token. `seq` must be greedy with max_tokens == len(continuation)."""
         if self.config.mode == "lossless":
             raise ValueError("teacher forcing measures lossy early exit; lossless mode is exact by construction")
-        run = DecodeRun(self, seq, None, force_exit)
+        run = DecodeRun(self, seq, force_exit)
         run.teacher = continuation
-        run.go()
+        for _ in run.steps():
+            pass
         return run.records
 
 
 class DecodeRun:
     """The state of one request's decode: cache, pending rows, unverified tokens, stats."""
 
-    def __init__(self, dec: EarlyExitDecoder, seq: Sequence, on_text, force_exit):
-        self.dec, self.seq, self.on_text, self.force_exit = dec, seq, on_text, force_exit
+    def __init__(self, dec: EarlyExitDecoder, seq: Sequence, force_exit):
+        self.dec, self.seq, self.force_exit = dec, seq, force_exit
         self.model, self.cfg = dec.model, dec.model.cfg
         self.policy, self.lossless = dec.config.kv_policy, dec.config.mode == "lossless"
         self.params = seq.params
@@ -223,8 +227,6 @@ class DecodeRun:
         self.history.append(token)
         if verified:
             self.seq.append(token)
-            if self.on_text is not None:
-                self.on_text(0, self.seq.take_stream_delta())
         else:
             self.unverified.append(Unverified(token, draft_probs))
 
@@ -239,7 +241,9 @@ class DecodeRun:
         return at_eos or len(self.seq.output_ids) + len(self.unverified) >= self.params.max_tokens
 
     # ---- the request ----------------------------------------------------------------------
-    def go(self) -> None:
+    @torch.inference_mode()
+    def steps(self) -> Iterator[None]:
+        """Decode the request, yielding after each step or flush."""
         seq, model = self.seq, self.model
         check_fits(model, len(seq.prompt_ids), self.params.max_tokens)
         self.cache = model.new_cache(1, len(seq.prompt_ids) + self.params.max_tokens + 1)
@@ -250,19 +254,23 @@ class DecodeRun:
             prefill(model, self.cache, [seq.prompt_ids[:-1]])
         self.dec.drafter.reset(seq.prompt_ids, self.params.max_tokens)  # sizes a draft model's cache
         t1 = time.perf_counter()
-        while True:
-            if self.done():
-                if not self.unverified or not self.flush():
-                    break
-                continue
-            self.step()
-        seq.stats.prefill_seconds = t1 - t0
-        seq.stats.decode_seconds = time.perf_counter() - t1
-        seq.stats.decode_tokens = len(seq.output_ids)  # the first token came from a decode step too
-        seq.stats.early_exit = self.stats.as_dict(seq.stats.decode_seconds, self.lossless)
-        c = self.dec.config
-        seq.stats.early_exit.update(kv_policy=self.policy, mode=c.mode, offline_layers=self.dec.offline_layers,
-                                    online_window=c.online_window, online_radius=c.online_radius)
+        try:
+            while True:
+                if self.done():
+                    if not self.unverified or not self.flush():
+                        break
+                    yield
+                    continue
+                self.step()
+                yield
+        finally:  # also when the caller stops early (a closed stream)
+            seq.stats.prefill_seconds = t1 - t0
+            seq.stats.decode_seconds = time.perf_counter() - t1
+            seq.stats.decode_tokens = len(seq.output_ids)  # the first token came from a decode step too
+            seq.stats.early_exit = self.stats.as_dict(seq.stats.decode_seconds, self.lossless)
+            c = self.dec.config
+            seq.stats.early_exit.update(kv_policy=self.policy, mode=c.mode, offline_layers=self.dec.offline_layers,
+                                        online_window=c.online_window, online_radius=c.online_radius)
 
     def step(self) -> None:
         """Feed the last emitted token (at slot n) through the model; emit the next one."""
@@ -410,8 +418,6 @@ class DecodeRun:
                 self.unverified.pop(0)
                 self.stats.verified_positions += 1
                 self.seq.append(item.token)
-                if self.on_text is not None:
-                    self.on_text(0, self.seq.take_stream_delta())
                 if self.seq.finished:
                     return False
                 continue

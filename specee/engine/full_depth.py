@@ -6,7 +6,7 @@ cache, so no row ever attends to them, and RoPE positions start at 0 for every p
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 
@@ -14,8 +14,6 @@ from ..model.kv_cache import KVCache
 from ..model.llama import StepInputs, Transformer
 from ..sampling import sample
 from .sequence import Sequence
-
-StreamCallback = Callable[[int, str], None]  # (index in batch, text delta)
 
 
 def check_fits(model: Transformer, prompt_len: int, max_tokens: int) -> int:
@@ -66,8 +64,9 @@ def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positi
 
 
 @torch.inference_mode()
-def generate_full_depth(model: Transformer, seqs: list[Sequence], on_text: StreamCallback | None = None) -> None:
-    """Greedy or sampled decoding at full depth; all sequences must share one SamplingParams."""
+def decode_full_depth(model: Transformer, seqs: list[Sequence]) -> Iterator[None]:
+    """Greedy or sampled decoding at full depth, one token per sequence per step; yields after each
+    step (the caller reads the sequences: streaming needs no thread). All share one SamplingParams."""
     params = seqs[0].params
     assert all(s.params == params for s in seqs), "one SamplingParams per batch"
     for s in seqs:
@@ -79,19 +78,20 @@ def generate_full_depth(model: Transformer, seqs: list[Sequence], on_text: Strea
     t0 = time.perf_counter()
     h = prefill(model, cache, [s.prompt_ids for s in seqs])
     t1 = time.perf_counter()
-    while True:
-        tokens = sample(model.logits(h), params, generators)
-        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
-            if not seq.finished:
-                seq.append(token)
-                if on_text is not None:
-                    on_text(i, seq.take_stream_delta())
-        if all(s.finished for s in seqs):
-            break
-        h = decode_step(model, cache, tokens, positions)
-        positions += 1
-    t2 = time.perf_counter()
-    for s in seqs:
-        s.stats.prefill_seconds = t1 - t0
-        s.stats.decode_seconds = t2 - t1
-        s.stats.decode_tokens = max(len(s.output_ids) - 1, 0)  # the first token came from the prefill
+    try:
+        while True:
+            tokens = sample(model.logits(h), params, generators)
+            for seq, token in zip(seqs, tokens.tolist()):
+                if not seq.finished:
+                    seq.append(token)
+            yield
+            if all(s.finished for s in seqs):
+                break
+            h = decode_step(model, cache, tokens, positions)
+            positions += 1
+    finally:  # also when the caller stops early (a closed stream)
+        t2 = time.perf_counter()
+        for s in seqs:
+            s.stats.prefill_seconds = t1 - t0
+            s.stats.decode_seconds = t2 - t1
+            s.stats.decode_tokens = max(len(s.output_ids) - 1, 0)  # the first token came from the prefill

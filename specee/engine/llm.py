@@ -20,7 +20,7 @@ from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .early_exit import EarlyExitConfig, EarlyExitDecoder, TeacherForcedStep
-from .full_depth import generate_full_depth
+from .full_depth import decode_full_depth
 from .sequence import RequestOutput, Sequence
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -58,10 +58,6 @@ def default_cache_dir() -> Path:
     root = os.environ.get("SPECEE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specee")
     return Path(root)
-
-
-class _Cancelled(Exception):
-    """Raised inside the decode thread when the consumer of `LLM.stream` has gone."""
 
 
 class LLM:
@@ -179,44 +175,18 @@ class LLM:
         for s in seqs:
             groups.setdefault(s.params, []).append(s)
         for group in groups.values():
-            self._run(group, None)
+            for _ in self._steps(group):
+                pass
         return [s.output() for s in seqs]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[str]:
-        """Yield text as it is produced; the finished RequestOutput is `self.last_output`."""
-        import queue
-        import threading
-
+        """Yield text as it is produced, in the caller's thread (the decoders are step generators);
+        the finished RequestOutput is `self.last_output`. Closing the iterator stops decoding."""
         (seq,) = self._sequences(prompt, sampling_params, chat)
-        deltas: queue.Queue[str | None | BaseException] = queue.Queue()
-        cancelled = threading.Event()
-
-        def on_text(_i: int, text: str) -> None:
-            if cancelled.is_set():  # the consumer left: stop decoding at the next token
-                raise _Cancelled
-            if text:
-                deltas.put(text)
-
-        def work() -> None:
-            try:
-                self._run([seq], on_text)
-                deltas.put(None)
-            except _Cancelled:
-                pass
-            except BaseException as e:  # re-raised in the caller's thread
-                deltas.put(e)
-
-        worker = threading.Thread(target=work, daemon=True)
-        worker.start()
-        try:
-            while (item := deltas.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:  # normal end, an error, or the generator closed early (break, Ctrl-C)
-            cancelled.set()
-            worker.join()
+        for _ in self._steps([seq]):
+            if delta := seq.take_stream_delta():
+                yield delta
         self.last_output = seq.output()
 
     def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> list[TeacherForcedStep]:
@@ -227,13 +197,11 @@ class LLM:
         seq = Sequence(prompt_ids, list(prompt_ids), params, self.tokenizer, self.eos_ids)
         return self.early_exit.teacher_forced(seq, continuation)
 
-    def _run(self, seqs: list[Sequence], on_text) -> None:
-        if self.speculative is not None:  # one request at a time, like early exit
-            for i, seq in enumerate(seqs):
-                self.speculative.generate(seq, None if on_text is None else (lambda _j, text, i=i: on_text(i, text)))
+    def _steps(self, seqs: list[Sequence]) -> Iterator[None]:
+        """The decoder this LLM is configured with, stepped over `seqs` (one SamplingParams)."""
+        if self.early_exit is None and self.speculative is None:
+            yield from decode_full_depth(self.model, seqs)
             return
-        if self.early_exit is None:
-            generate_full_depth(self.model, seqs, on_text)
-            return
-        for i, seq in enumerate(seqs):  # early exit decides per token: one request at a time
-            self.early_exit.generate(seq, None if on_text is None else (lambda _j, text, i=i: on_text(i, text)))
+        decoder = self.speculative or self.early_exit  # both decide per token: one request at a time
+        for seq in seqs:
+            yield from decoder.steps(seq)

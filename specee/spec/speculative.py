@@ -14,7 +14,7 @@ Greedy output equals full-depth greedy; sampled output has the target's distribu
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -93,11 +93,18 @@ class SpeculativeDecoder:
         self.extra_rows = num_tokens + 1 if tree is None else tree.size + 1
         self.width = model.cfg.vocab_size
 
+    def generate(self, seq: Sequence) -> SpecStats:
+        """Decode `seq` to completion."""
+        for _ in self.steps(seq):
+            pass
+        return self.stats
+
     @torch.inference_mode()
-    def generate(self, seq: Sequence, on_text: Callable[[int, str], None] | None = None) -> SpecStats:
+    def steps(self, seq: Sequence) -> Iterator[None]:
+        """Decode `seq`, yielding after each draft-verify round (the caller reads the sequence)."""
         model, params, drafter = self.model, seq.params, self.drafter
         check_fits(model, len(seq.prompt_ids), params.max_tokens)
-        self.seq, self.on_text = seq, on_text
+        self.seq = seq
         self.cache = model.new_cache(1, len(seq.prompt_ids) + params.max_tokens + self.extra_rows)
         self.generator = params.make_generator(model.device)
         self.stats = SpecStats(self.num_tokens if self.grower is None else self.grower.shape.depth)
@@ -110,16 +117,19 @@ class SpeculativeDecoder:
         first = int(last)
         drafter.begin(seq.prompt_ids + [first], feats)
         t1 = time.perf_counter()
-        self.emit([first])
-        while not seq.finished:
-            last = self.step(last)
-        seq.stats.prefill_seconds = t1 - t0
-        seq.stats.decode_seconds = time.perf_counter() - t1
-        seq.stats.decode_tokens = max(len(seq.output_ids) - 1, 0)  # the first token came from the prefill
-        seq.stats.speculative = {"method": self.method, "num_speculative_tokens": self.num_tokens,
-                                 "tree": None if self.grower is None else vars(self.grower.shape),
-                                 **self.stats.as_dict(seq.stats.decode_seconds)}
-        return self.stats
+        try:
+            self.emit([first])
+            yield
+            while not seq.finished:
+                last = self.step(last)
+                yield
+        finally:  # also when the caller stops early (a closed stream)
+            seq.stats.prefill_seconds = t1 - t0
+            seq.stats.decode_seconds = time.perf_counter() - t1
+            seq.stats.decode_tokens = max(len(seq.output_ids) - 1, 0)  # the first token came from the prefill
+            seq.stats.speculative = {"method": self.method, "num_speculative_tokens": self.num_tokens,
+                                     "tree": None if self.grower is None else vars(self.grower.shape),
+                                     **self.stats.as_dict(seq.stats.decode_seconds)}
 
     def step(self, last: torch.Tensor) -> torch.Tensor:
         """One draft -> verify -> accept round after the committed token `last` ([1], at slot n);
@@ -171,7 +181,5 @@ class SpeculativeDecoder:
     def emit(self, tokens: list[int]) -> None:
         for token in tokens:
             self.seq.append(token)
-            if self.on_text is not None:
-                self.on_text(0, self.seq.take_stream_delta())
             if self.seq.finished:
                 return
