@@ -150,7 +150,7 @@ def test_library_value_errors_are_clean(capsys):
 
 
 def test_missing_default_model_asks_for_model(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "default_model_candidates", lambda: [tmp_path / "absent"])
+    monkeypatch.setattr(cli.args, "default_model_candidates", lambda: [tmp_path / "absent"])
     code, _, err = run(capsys, "generate", "--prompt", "hi")
     assert_clean_error(code, err, "--model")
 
@@ -245,7 +245,7 @@ def test_generate_defaults_to_the_fastest_measured_weights():
     cli.add_generate_parser(sub)
     cli.add_chat_parser(sub)
     add_bench_parser(sub)
-    mode = lambda *argv: cli.quantization_mode(parser.parse_args(list(argv)))  # noqa: E731
+    mode = lambda *argv: cli.args.quantization_mode(parser.parse_args(list(argv)))  # noqa: E731
     assert mode("generate", "--prompt", "x") == "auto" and mode("chat") == "auto"
     assert mode("generate", "--prompt", "x", "--device", "cuda") is None
     assert mode("generate", "--prompt", "x", "--quantization", "none") is None

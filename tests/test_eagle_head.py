@@ -174,3 +174,27 @@ def test_cli_train_draft_rejects_bad_arguments(tmp_path, capsys):
     assert "--minutes must be positive" in capsys.readouterr().err
     assert main(["train-draft", "-o", str(tmp_path / "h"), "--feature-layers", "a,b"]) == 2
     assert "layer indices" in capsys.readouterr().err
+
+
+def test_resumed_training_continues_the_learning_rate_schedule(llm, texts, tmp_path):
+    """After 1000 s of earlier training, a resumed minute sits at the end of the cosine decay, not
+    back at the peak learning rate."""
+    import time
+
+    from specee.calibration.train_draft import _optimizer, _train_steps
+
+    head = random_head(llm, (4,), seed=1)
+    for p in head.params.values():
+        p.requires_grad_(True)
+    seqs = [t[:30] for t in texts[:4]]
+    rec = record(llm.model, seqs, head.config.feature_layers, head.shortlist, store_dtype=torch.float32,
+                 progress=False)
+    recipe = Recipe(max_steps=101, batch_tokens=256, warmup_steps=1, lr=1e-3)
+    lrs = {}
+    for before in (0.0, 1000.0):
+        optimizer = _optimizer(head, recipe)
+        done = {"steps": 100, "train_seconds": before, "tokens": 0}
+        _train_steps(head, optimizer, rec, rec.last_hidden((4,), 5), [0, 1, 2, 3], recipe, done,
+                     time.monotonic() + 60, tmp_path / f"ckpt{before}", progress=False)
+        lrs[before] = optimizer.param_groups[0]["lr"]
+    assert lrs[0.0] > 0.9 * recipe.lr and lrs[1000.0] < 0.12 * recipe.lr

@@ -346,7 +346,7 @@ def test_ctrl_c_in_chat_stops_the_reply_not_the_conversation(ckpt, tmp_path, cap
             raise KeyboardInterrupt
 
     monkeypatch.setattr(Tokenizer, "encode_chat", spy)
-    monkeypatch.setattr(cli, "write_out", write_out)
+    monkeypatch.setattr(cli.run, "write_out", write_out)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nOnce upon a time\n"))
     code, _, err = run_cli(capsys, "chat", "--model", str(path), "--max-new-tokens", "6")
     assert code == 0, err

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli import (DTYPE_CHOICES, add_quantization_arg, device_arg, non_negative_int, positive_int, quantization_mode,
+from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, device_arg, non_negative_int, positive_int, quantization_mode,
                    speculative_k)
 from .common import (DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, load_prompts, parse_list, write_json,
                      write_text)
@@ -233,7 +233,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def add_speculative_bench_args(s: argparse.ArgumentParser) -> None:
-    from ..cli import speculative_config_arg
+    from ..cli.args import speculative_config_arg
 
     g = s.add_argument_group("speculative decoding (specee.spec) and transformers' assisted generation")
     g.add_argument("--speculative-config", type=speculative_config_arg, action="append", default=[], metavar="JSON",

@@ -1,0 +1,277 @@
+"""Arguments shared by the subcommands, and the one place an `LLM` is built from them (`load_llm`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+PROG = "specee"
+DEFAULT_MODEL = Path("../shared/models/smollm2-135m-instruct")  # SmolLM2-135M-Instruct, a GGUF file
+REFERENCE_MODEL = "ref-target-24L"  # the project's reference target: ref-draft-4L is its default drafter
+MAX_K = 64  # speculative tokens per step: SpecEE uses 4; features and predictors grow with k
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+EXIT_USAGE = 2  # bad arguments or a library error (argparse uses 2 as well)
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as `specee: error: <message>` and exit status 2."""
+
+
+# ---- shared arguments ----------------------------------------------------------------------
+def default_model_candidates() -> list[Path]:
+    """Where the default model may live: relative to the current directory, then to the repo root."""
+    return [Path.cwd() / DEFAULT_MODEL, REPO_ROOT / DEFAULT_MODEL]
+
+
+def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
+    """The checkpoint directory or .gguf file --model names (a path or a hub id), or the default model."""
+    from ..model.resolve import resolve_model
+
+    if model is not None:
+        return resolve_model(model, revision)
+    candidates = default_model_candidates()
+    for path in candidates:
+        if path.is_dir():
+            return resolve_model(path.resolve())
+    looked = ", ".join(str(p) for p in dict.fromkeys(candidates))
+    raise CLIError(f"no --model given and the default model {DEFAULT_MODEL} was not found (looked in {looked}); "
+                   "pass --model PATH (a checkpoint directory or .gguf file) or a Hugging Face hub id")
+
+
+def device_arg(value: str) -> str:
+    if value == "cpu" or value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose cpu, cuda or cuda:N)")
+
+
+def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastest: bool = False) -> None:
+    """--model, plus --device, --dtype and --quantization when the command runs the model; `fastest`:
+    the command decodes for a user (generate, chat), so its defaults are the fastest measured."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", metavar="PATH|ID", default=None,
+                   help="a Hugging Face checkpoint directory, a .gguf file (or a directory holding one), or a hub "
+                        f"id such as HuggingFaceTB/SmolLM2-135M-Instruct (default: {DEFAULT_MODEL}, looked up "
+                        "relative to the current directory and to the specee repository root)")
+    g.add_argument("--revision", metavar="REV", default=None,
+                   help="branch, tag or commit of a hub id (default: main)")
+    if runtime:
+        g.add_argument("--device", type=device_arg, default="cpu", metavar="{cpu,cuda}",
+                       help="where to run (default: cpu; cuda:N picks a GPU)")
+        g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
+        add_quantization_arg(g, fastest)
+
+
+QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), auto (a GGUF's "
+                     "own precision: Q4 -> int4, Q5/Q6/Q8 -> int8, float -> none) or none (float weights)")
+FASTEST_QUANTIZATION = {"cpu": "auto"}  # measured on SmolLM2 Q4_1, 2 CPU threads: 3.9x float32 (BENCHMARKS.md)
+
+
+def add_quantization_arg(group, fastest: bool = False) -> None:
+    """--quantization, for every command that runs a model (shared with `specee bench`)."""
+    default = ("auto on CPU (the fastest measured; a checkpoint with float weights stays float), none on CUDA"
+               if fastest else "none")
+    group.add_argument("--quantization", choices=("int4", "int8", "auto", "none"), default=None,
+                       help=f"{QUANTIZATION_HELP}; default: {default}")
+    group.set_defaults(fastest_quantization=fastest)
+
+
+def quantization_mode(args: argparse.Namespace) -> str | None:
+    """The quantization LLM(...) gets: the flag, else the command's default for the device."""
+    mode = args.quantization
+    if mode is None and getattr(args, "fastest_quantization", False):
+        mode = FASTEST_QUANTIZATION.get(args.device)
+    return None if mode == "none" else mode
+
+
+def _int_at_least(value: str, low: int, what: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value!r}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value!r}")
+    return n
+
+
+def positive_int(value: str) -> int:
+    return _int_at_least(value, 1, "positive")
+
+
+def non_negative_int(value: str) -> int:
+    return _int_at_least(value, 0, "non-negative")
+
+
+def speculative_k(value: str) -> int:
+    """--k: checked here, before a model loads or a calibration starts (a huge k would fail minutes later)."""
+    k = _int_at_least(value, 1, "positive")
+    if k > MAX_K:
+        raise argparse.ArgumentTypeError(f"--k {k} is too large: at most {MAX_K} speculative tokens per step "
+                                         "(SpecEE uses 4)")
+    return k
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N",
+                   help="most tokens to generate (default: 128)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 = greedy (default), > 0 samples")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, metavar="N", help="random seed for sampling (reproducible runs)")
+    g.add_argument("--stop", nargs="+", action="extend", default=[], metavar="S",
+                   help="stop when any of these strings is produced (not included in the output)")
+
+
+def sampling_params(args: argparse.Namespace):
+    from ..sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+
+
+DEFAULT_DRAFT = Path("../shared/models/ref-draft-4L")
+
+
+def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("early exit (SpecEE)")
+    g.add_argument("--draft", metavar="DIR|ngram", default=None,
+                   help="turns early exit on, with this drafter for the speculative tokens: a draft model "
+                        "(directory or .gguf) sharing the target's tokenizer, or 'ngram' (training-free prompt "
+                        "lookup). Default: none, full depth (early exit measured slower than full depth on "
+                        "every model so far, see BENCHMARKS.md)")
+    g.add_argument("--bank", metavar="DIR", default=None,
+                   help="predictor bank from `specee calibrate` (default: calibrate once and cache it under "
+                        "~/.cache/specee, or $SPECEE_CACHE)")
+    g.add_argument("--no-exit", action="store_true", help="run every token at full depth, even with --draft")
+    g.add_argument("--mode", choices=("lossy", "lossless"), default="lossy",
+                   help="lossy: SpecEE's early exit; lossless: exits are drafts verified by the full model, "
+                        "output identical to full depth (default: lossy)")
+    g.add_argument("--kv-policy", choices=("skip", "propagate", "recompute"), default="recompute",
+                   help="how the KV entries of skipped layers are filled (default: recompute, exact)")
+    g.add_argument("--k", type=speculative_k, default=4, help=f"speculative tokens per step, 1-{MAX_K} (default: 4)")
+    g.add_argument("--threshold-scale", type=float, default=1.0, metavar="S",
+                   help="scale the bank's thresholds' distance from 1: > 1 exits more, < 1 less (default: 1)")
+    g.add_argument("--max-pending", type=positive_int, default=8, metavar="N",
+                   help="carried rows / unverified tokens before a forced full-depth step (default: 8)")
+    g.add_argument("--offline-size", type=positive_int, default=None, metavar="N",
+                   help="offline predictor layers to use (default: the bank's set)")
+    g.add_argument("--online-window", type=int, default=4, metavar="N",
+                   help="recent tokens whose exit layers get online predictors (default: 4; 0 = off)")
+
+
+def default_draft(model_dir: Path) -> Path | None:
+    """`specee calibrate`'s drafter when none is given: the reference draft, for the project's
+    reference model (a bank for the pair its figures are measured on)."""
+    if model_dir.is_dir() and model_dir.name == REFERENCE_MODEL:
+        draft = model_dir.parent / DEFAULT_DRAFT.name
+        return draft if draft.is_dir() else None
+    return None
+
+
+def early_exit_config(args: argparse.Namespace):
+    """The EarlyExitConfig the flags ask for, or None for full depth."""
+    from ..engine.early_exit import EarlyExitConfig
+
+    if getattr(args, "no_exit", True):
+        return None
+    if args.draft is None:
+        if args.bank is not None or args.mode == "lossless":
+            raise CLIError("early exit needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
+        return None
+    return EarlyExitConfig(draft=str(args.draft), bank=args.bank, k=args.k, kv_policy=args.kv_policy, mode=args.mode,
+                           offline_size=args.offline_size, online_window=args.online_window,
+                           max_pending=args.max_pending, threshold_scale=args.threshold_scale)
+
+
+# ---- speculative decoding (specee.spec) ----------------------------------------------------
+def speculative_config_arg(value: str) -> dict:
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return config
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument_group("speculative decoding").add_argument(
+        "--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+        help='draft-and-verify decoding, lossless, as in vLLM: \'{"method": "eagle", "model": HEAD_DIR, '
+             '"num_speculative_tokens": 4}\' (methods: eagle, draft_model with a model dir, ngram; optional '
+             '"tree": {"topk": K, "size": S}). Replaces early exit')
+
+
+def load_llm(args: argparse.Namespace):
+    """Build the LLM the command asked for (the single place model-loading options are read)."""
+    import torch
+
+    from ..engine.llm import LLM
+
+    model_dir = resolve_model_dir(args.model, args.revision)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}); use --device cpu")
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None:
+        from ..spec.config import SpeculativeConfig
+
+        speculative = SpeculativeConfig.parse(speculative)  # before loading: bad configs fail fast
+        args.no_exit = True
+    config = early_exit_config(args) if hasattr(args, "no_exit") else None
+    quantization = quantization_mode(args)
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
+              speculative_config=speculative)
+    if args.quantization:
+        note(f"{quantization or 'float'} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
+    return llm
+
+
+def stats_line(stats) -> str:
+    line = (f"{stats.generated_tokens} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s; "
+            f"decode {stats.decode_tokens_per_second:.1f} tokens/s; prompt {stats.prompt_tokens} tokens)")
+    ee = stats.early_exit
+    if ee:
+        line += (f"; early exit {ee['mode']}/{ee['kv_policy']}: mean {ee['mean_exit_layer']:.1f} of "
+                 f"{ee['num_layers']} layers, {ee['exits_accepted']} exits")
+        if "lossless" in ee:
+            line += f", {ee['lossless']['rollbacks']} rollbacks"
+    sp = stats.speculative
+    if sp:
+        line += (f"; speculative {sp['method']}: mean accepted length {sp['mean_accepted_length']:.2f}, "
+                 f"acceptance rate {sp['acceptance_rate']:.2f}")
+    return line
+
+
+def print_stats(stats, detailed: bool) -> None:
+    if not detailed:
+        print(f"[{stats_line(stats)}]", file=sys.stderr)
+        return
+    for key, value in stats.as_dict().items():
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        print(f"{key:>26}: {value}", file=sys.stderr)
+
+
+def note(message: str) -> None:
+    print(f"{PROG}: note: {message}", file=sys.stderr)
+
+
+def write_out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+LIBRARY_NAMES = {"max_tokens": "--max-new-tokens", "top_k": "--top-k", "top_p": "--top-p"}
+
+
+def cli_wording(message: str) -> str:
+    """A library message as the CLI user reads it: SamplingParams field names become the flags they typed."""
+    import re
+
+    message = message.replace("max_tokens (max_new_tokens)", "max_tokens")
+    return re.sub(r"\b(" + "|".join(LIBRARY_NAMES) + r")\b", lambda m: LIBRARY_NAMES[m.group(1)], message)
