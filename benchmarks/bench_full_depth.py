@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
-from specee.bench.common import cpu_name, round_robin
-from specee.bench.speed import hf_run, identity, load_hf_model, specee_run
+from specee.bench.common import round_robin
+from specee.bench.report import cpu_name
+from specee.bench.speed import identity
+from specee.bench.timing import hf_run, load_hf_model, specee_run
 from specee.engine.llm import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specee import LLM  # noqa: E402
-from specee.bench.common import find_shared, fit_prompt, load_prompts, shared_file  # noqa: E402
+from specee.bench.common import find_shared, fit_prompt, shared_file  # noqa: E402
+from specee.bench.tasks import load_prompts  # noqa: E402
 from specee.bench.quality import (full_depth_continuations, full_logprobs, perplexity_full,  # noqa: E402
                                   perplexity_windows, read_text_tokens)
 

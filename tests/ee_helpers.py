@@ -9,6 +9,7 @@ import torch
 from specee.drafters.base import Drafter
 from specee.engine.early_exit import EarlyExitConfig, EarlyExitDecoder
 from specee.engine.sequence import Sequence
+from specee.exit.controller import ForcedExits
 from specee.exit.bank import PredictorBank
 from specee.sampling import SamplingParams
 
@@ -57,13 +58,18 @@ def decoder(llm, drafter: Drafter, bank: PredictorBank | None = None, **config) 
     return EarlyExitDecoder(llm.model, drafter, bank or never_bank(L, drafter.k), EarlyExitConfig(**config))
 
 
+def forced(dec: EarlyExitDecoder, rule) -> ForcedExits:
+    """Exits where rule(token index, layer) says, in place of the predictors."""
+    return ForcedExits(dec.model, dec.bank, dec.thresholds, rule)
+
+
 def run(llm, dec: EarlyExitDecoder, prompt_ids: list[int], params: SamplingParams, force=None):
     seq = Sequence(prompt_ids, list(prompt_ids), params, llm.tokenizer, llm.eos_ids)
-    return seq, dec.generate(seq, force_exit=force)
+    return seq, dec.generate(seq, forced(dec, force) if force is not None else None)
 
 
 def random_forcing(seed: int, rate: float):
-    """force_exit(step, layer) decided by a seeded hash: reproducible, different per (step, layer)."""
+    """An exit rule (token index, layer) -> bool decided by a seeded hash: reproducible, different per (step, layer)."""
 
     def force(step: int, layer: int) -> bool:
         return random.Random(seed * 1_000_003 + step * 1009 + layer).random() < rate

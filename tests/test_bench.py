@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -114,8 +116,27 @@ def test_wilson_and_mcnemar_known_values():
     assert mcnemar(3, 3) == 1.0
 
 
+def test_paired_accuracy_hand_built_case():
+    """Seven items, gold / full / early-exit answers chosen by hand: full 5 right, early exit 3; items
+    0-2 right -> wrong (b = 3), item 6 wrong -> right (c = 1), four answers changed."""
+    from specee.bench.common import wilson
+    from specee.bench.quality import paired_accuracy
+
+    gold = [0, 0, 0, 0, 0, 1, 1]
+    full = [0, 0, 0, 0, 1, 1, 2]
+    ee = [1, 2, 1, 0, 1, 1, 1]
+    f, e = paired_accuracy(gold, full, ee)
+    assert f == {"accuracy": 5 / 7, "correct": 5, "ci95": list(wilson(5, 7))}
+    assert e == {"accuracy": 3 / 7, "correct": 3, "ci95": list(wilson(3, 7)), "delta": -2 / 7,
+                 "answers_changed": 4, "full_right_ee_wrong": 3, "full_wrong_ee_right": 1,
+                 "mcnemar_p": 0.625}  # 2 * P(X <= 1), X ~ Binomial(4, 1/2) = 2 * 5/16
+    f, e = paired_accuracy([], [], [])
+    assert (f["accuracy"], f["ci95"], e["delta"], e["mcnemar_p"]) == (None, [0.0, 1.0], None, 1.0)
+
+
 def test_prompt_selection(tmp_path):
-    from specee.bench.common import BenchError, load_prompts
+    from specee.bench.common import BenchError
+    from specee.bench.tasks import load_prompts
 
     f = tmp_path / "p.jsonl"
     rows = [{"question_id": i, "category": c, "turns": [f"{c} {i}", "second turn"]}
@@ -133,7 +154,7 @@ def test_prompt_selection(tmp_path):
 
 
 def test_spec_bench_default_set():
-    from specee.bench.common import load_prompts
+    from specee.bench.tasks import load_prompts
 
     real_model_dir("stories260K")  # skips without ../shared
     ps = load_prompts(count=1)
@@ -158,7 +179,8 @@ def test_exit_disabled_gives_full_model(llm, banks, cases, policy):
         use_config(llm, None)
     assert a["agreement"] == 1.0 and a["positions"] == sum(map(len, conts))
     assert a["exit_rate"] == 0.0 and a["mean_exit_layer"] == llm.model.cfg.num_layers
-    assert set(a["per_category"]) == {"x", "y"}
+    assert a["per_category"] == {"x": {"agreement": 1.0, "positions": len(conts[0])},
+                                 "y": {"agreement": 1.0, "positions": len(conts[1])}}
     assert ee["tokens"] == full["tokens"] == 40
     assert ee["perplexity"] == pytest.approx(full["perplexity"], rel=1e-4)
     assert ee["next_token_accuracy"] == full["next_token_accuracy"]
@@ -223,7 +245,7 @@ def test_layer0_with_drafter_restriction(llm, banks, cases):
 
 
 def _mc_items(llm):
-    from specee.bench.quality import MCItem
+    from specee.bench.tasks import MCItem
 
     shot = MCItem("t", "s0", "Is the sky blue?", ["no", "yes"], 1)
     qs = [("What does a dog say?", ["moo", "woof", "meow"], 1), ("Where do fish live?", ["water", "tree", "sky"], 0),
@@ -232,8 +254,9 @@ def _mc_items(llm):
 
 
 def test_multiple_choice_known_cases(llm, banks):
-    from specee.bench.common import use_config
-    from specee.bench.quality import encode_mc, score_mc
+    from specee.bench.common import mcnemar, use_config, wilson
+    from specee.bench.quality import score_mc
+    from specee.bench.tasks import encode_mc
 
     items = _mc_items(llm)
     use_config(llm, config(banks["never"]))
@@ -245,8 +268,9 @@ def test_multiple_choice_known_cases(llm, banks):
     assert r["early_exit"]["accuracy"] == r["full"]["accuracy"]
     assert r["early_exit"]["answers_changed"] == 0 and r["early_exit"]["mcnemar_p"] == 1.0
     assert r["early_exit"]["mean_exit_layer"] == llm.model.cfg.num_layers
-    lo, hi = r["full"]["ci95"]
-    assert 0.0 <= lo <= r["full"]["accuracy"] <= hi <= 1.0
+    correct = sum(x["full"] == x["gold"] for x in r["per_item"])
+    assert r["full"]["correct"] == r["early_exit"]["correct"] == correct
+    assert r["full"]["accuracy"] == correct / 4 and r["full"]["ci95"] == list(wilson(correct, 4))
 
     # always layer 0: early exit answers with the layer-0 logit lens at the answer position
     use_config(llm, config(banks["layer0_all"]))
@@ -266,7 +290,14 @@ def test_multiple_choice_known_cases(llm, banks):
     assert r0["early_exit"]["max_logprob_deviation"] < 1e-4
     changed = sum(a != b for a, b in zip(expect_full, expect_l0))
     assert r0["early_exit"]["answers_changed"] == changed
-    assert r0["early_exit"]["full_right_ee_wrong"] + r0["early_exit"]["full_wrong_ee_right"] <= changed
+    gold = [x["gold"] for x in r0["per_item"]]
+    b = sum(f == g != e for f, e, g in zip(expect_full, expect_l0, gold))  # full right, early exit wrong
+    c = sum(e == g != f for f, e, g in zip(expect_full, expect_l0, gold))
+    ee_right = sum(e == g for e, g in zip(expect_l0, gold))
+    assert (r0["early_exit"]["full_right_ee_wrong"], r0["early_exit"]["full_wrong_ee_right"]) == (b, c)
+    assert r0["early_exit"]["mcnemar_p"] == mcnemar(b, c)
+    assert r0["early_exit"]["correct"] == ee_right and r0["early_exit"]["ci95"] == list(wilson(ee_right, 4))
+    assert r0["early_exit"]["delta"] == pytest.approx((ee_right - r0["full"]["correct"]) / 4)
 
 
 def test_oracle_matches_bruteforce(llm, cases):
@@ -291,14 +322,17 @@ def test_oracle_matches_bruteforce(llm, cases):
 
 
 # ---- the CLI end to end ----------------------------------------------------------------------------
-def run_cli(argv: list[str], capsys) -> str:
+def run_cli(argv: list[str], capsys):
+    """Run `specee <argv>` in process (recording argv as the command line, as `main` does); returns
+    the captured (out, err)."""
     from specee.bench.cli import add_bench_parser
 
     parser = argparse.ArgumentParser(prog="specee")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    args._argv = ["specee", *argv]
     assert args.func(args) == 0
-    return capsys.readouterr().out
+    return capsys.readouterr()
 
 
 def common_args(out: Path) -> list[str]:
@@ -306,50 +340,116 @@ def common_args(out: Path) -> list[str]:
             "--categories", "writing,qa", "--out", str(out), "--no-progress"]
 
 
-def check_outputs(out: Path, pngs: list[str]) -> dict:
+def check_outputs(out: Path, llm, argv: list[str]) -> dict:
+    """report.json's environment record describes this run exactly; report.md is this benchmark's."""
     report = json.loads((out / "report.json").read_text())
+    assert report["benchmark"] == argv[1]
     env = report["environment"]
-    assert env["target"]["fingerprint"] and env["target"]["layers"] == 5
-    assert env["dtype"] == "float32" and env["device"] == "cpu" and env["torch"] == torch.__version__
-    assert env["torch_threads"] >= 1 and env["date"] and "command" in env
-    assert env["drafter"]["name"].startswith("ngram")
+    cfg = llm.model.cfg
+    assert env["target"] == {"path": str(real_model_dir("stories260K").resolve()), "fingerprint": llm.fingerprint,
+                             "layers": 5, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+    assert (env["dtype"], env["device"], env["torch"], env["torch_threads"]) == ("float32", "cpu", torch.__version__, 1)
+    assert env["command"] == ["specee", *argv]
+    assert datetime.fromisoformat(env["date"]).tzinfo is not None
+    assert env["drafter"]["source"] == "ngram" and env["drafter"]["name"].startswith("ngram")
     md = (out / "report.md").read_text()
-    assert md.startswith("# specee bench") and "| date |" in md
-    for name in pngs:
-        data = (out / name).read_bytes()
-        assert data[:8] == PNG_MAGIC and len(data) > 5000, name
-        assert f"({name})" in md
+    assert md.startswith(f"# specee bench {argv[1]}\n") and "| date |" in md
     return report
 
 
-def test_cli_speed(tmp_path, banks, capsys):
+def check_figures(out: Path, pngs: list[str]) -> None:
+    """Exactly these PNG figures were written and report.md links them. Called last in a test: it
+    skips where matplotlib (the optional specee[plots] extra) is not installed."""
+    pytest.importorskip("matplotlib", reason="the benchmark figures need matplotlib: pip install 'specee[plots]'")
+    md = (out / "report.md").read_text()
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(pngs)
+    for name in pngs:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000, name
+        assert f"![{Path(name).stem}]({name})" in md
+
+
+def md_rows(md: str, header_start: str) -> dict[str, list[str]]:
+    """The body of the Markdown table whose header line starts with `header_start`: first cell -> the others."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def mean_layers(hist: list[int]) -> float:
+    """Mean layers run from an exit histogram (entry i: steps that left after layer i + 1), by hand."""
+    return sum((i + 1) * h for i, h in enumerate(hist)) / sum(hist)
+
+
+def test_cli_speed(tmp_path, llm, banks, capsys):
     out = tmp_path / "speed"
-    stdout = run_cli(["bench", "speed", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "8",
-                      "--repeats", "1", "--warmup", "0", "--policies", "skip,recompute", "--oracle-layers", "3"], capsys)
+    argv = ["bench", "speed", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "8",
+            "--repeats", "1", "--warmup", "0", "--policies", "skip,recompute", "--oracle-layers", "3"]
+    stdout = run_cli(argv, capsys).out
     assert "| configuration | tokens/s |" in stdout and "lossless vs full depth" in stdout
     assert "Where the time goes" in stdout and "ceiling at oracle depth 3.00" in stdout
-    r = check_outputs(out, ["exit_histogram.png", "throughput.png"])
+    r = check_outputs(out, llm, argv)
     assert r["order"] == ["transformers", "full", "ee-skip", "ee-recompute", "lossless"]
     assert [p["category"] for p in r["prompts"]] == ["writing", "qa"]
+    full, hf = r["configs"]["full"], r["configs"]["transformers"]
     for name, c in r["configs"].items():
-        assert c["tokens"] == 16 and c["tokens_per_second"] > 0 and c["decode_tokens_per_second"] > 0
-        assert c["speedup_vs_full"] > 0 and c["speedup_vs_hf"] > 0
-        assert set(c["per_category"]) == {"writing", "qa"}
+        # EOS ignored: every configuration decodes exactly --max-new-tokens tokens per prompt
+        assert [p["tokens"] for p in c["per_prompt"]] == [8, 8] and c["tokens"] == 16
+        assert c["seconds"] == pytest.approx(sum(p["seconds"] for p in c["per_prompt"]))
+        assert c["tokens_per_second"] == pytest.approx(16 / c["seconds"])
+        assert c["speedup_vs_full"] == pytest.approx(c["tokens_per_second"] / full["tokens_per_second"])
+        assert c["speedup_vs_hf"] == pytest.approx(c["tokens_per_second"] / hf["tokens_per_second"])
+        assert c["decode_speedup_vs_full"] == pytest.approx(c["decode_tokens_per_second"]
+                                                            / full["decode_tokens_per_second"])
+        assert list(c["per_category"]) == ["writing", "qa"]
+        for p in c["per_prompt"]:  # one prompt per category: the category's figures are the prompt's
+            cat = c["per_category"][p["category"]]
+            assert (cat["prompts"], cat["tokens"]) == (1, 8)
+            assert cat["tokens_per_second"] == pytest.approx(8 / p["seconds"])
+            assert cat["speedup_vs_full"] == pytest.approx(
+                cat["tokens_per_second"] / full["per_category"][p["category"]]["tokens_per_second"])
         if c["kind"] == "early_exit":
-            assert 1.0 <= c["mean_exit_layer"] <= 5.0 and sum(c["exit_histogram"]) == c["decode_steps"]
+            hist = c["exit_histogram"]
+            assert len(hist) == 5 and sum(hist) == c["decode_steps"]
+            assert c["mean_exit_layer"] == pytest.approx(mean_layers(hist))
             # lossy: one decode step per token; lossless also redoes the steps a rollback discards
             assert c["decode_steps"] == 16 if c["mode"] == "lossy" else c["decode_steps"] >= 16
     assert r["configs"]["full"]["speedup_vs_full"] == pytest.approx(1.0)
+    # the speedups printed are the ratios of the tokens/s printed in the same table (up to rounding)
+    table = md_rows(stdout, "| configuration | tokens/s |")
+    assert list(table) == [c["label"] for c in r["configs"].values()]
+    base = {"full": table[full["label"]], "hf": table[hf["label"]]}
+    for c in r["configs"].values():
+        tps, dtps, _, sp_full, sp_hf, dsp_full = table[c["label"]]
+        assert (tps, sp_full) == (f"{c['tokens_per_second']:.2f}", f"{c['speedup_vs_full']:.2f}")
+        for shown, num, den in ((sp_full, tps, base["full"][0]), (sp_hf, tps, base["hf"][0]),
+                                (dsp_full, dtps, base["full"][1])):
+            num, den = float(num), float(den)
+            assert float(shown) == pytest.approx(num / den, abs=0.0051 + 0.0051 * (num / den) * (1 / num + 1 / den))
     # lossless is exact: token-identical to full depth on every prompt (and transformers agrees here)
     assert r["identity"]["lossless"]["all_identical"] is True
     assert [x["identical"] for x in r["identity"]["lossless"]["per_prompt"]] == [True, True]
     assert r["identity"]["transformers"]["all_identical"] is True
-    assert r["configs"]["lossless"]["lossless"]["deep_passes"] >= 0
+    ll = r["configs"]["lossless"]["lossless"]
+    assert ll["verified_per_deep_pass"] == (pytest.approx(ll["verified_positions"] / ll["deep_passes"])
+                                            if ll["deep_passes"] else None)
     cost = r["cost"]
-    assert cost["layer_ms"] > 0 and cost["oracle_layers"] == 3.0
+    assert (cost["oracle_layers"], cost["num_layers"]) == (3.0, 5)
     assert set(cost["configs"]) == {"full", "ee-skip", "ee-recompute", "lossless"}  # specee's own configs
+    assert cost["configs"]["full"]["layers_ms"] == pytest.approx(5 * cost["layer_ms"])
     for name, c in cost["configs"].items():
         assert c["total_ms"] == pytest.approx(1e3 / r["configs"][name]["decode_tokens_per_second"])
+        parts = [c["layers_ms"], c["other_ms"]] + [c.get(f"{p}_ms", 0.0) for p in ("drafter", "predictors", "verification")]
+        assert sum(parts) == pytest.approx(c["total_ms"])
+        if name != "full":
+            assert c["layers_ms"] == pytest.approx(r["configs"][name]["mean_exit_layer"] * cost["layer_ms"])
+    check_figures(out, ["exit_histogram.png", "throughput.png"])
 
 
 def test_cost_breakdown_known_numbers():
@@ -373,57 +473,138 @@ def test_cost_breakdown_known_numbers():
     assert cost_breakdown({"ee": configs["ee"]}, 0.5, 10)["configs"] == {}  # nothing to compare with
 
 
-def test_cli_quality(tmp_path, banks, capsys):
+def test_cli_quality(tmp_path, llm, banks, capsys):
+    from specee.bench.common import mcnemar, wilson
+
     out = tmp_path / "quality"
-    stdout = run_cli(["bench", "quality", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "8",
-                      "--policies", "skip,recompute", "--ppl-tokens", "24", "--ppl-window", "16",
-                      "--mc-items", "3", "--shots", "1", "--mmlu-subjects", "astronomy,virology"], capsys)
+    argv = ["bench", "quality", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "8",
+            "--policies", "skip,recompute", "--ppl-tokens", "24", "--ppl-window", "16",
+            "--mc-items", "3", "--shots", "1", "--mmlu-subjects", "astronomy,virology"]
+    stdout = run_cli(argv, capsys).out
     assert "## Agreement" in stdout and "## Perplexity" in stdout and "## Multiple choice" in stdout
-    r = check_outputs(out, ["quality.png"])
+    r = check_outputs(out, llm, argv)
     for policy in ("skip", "recompute"):
         a = r["agreement"]["policies"][policy]
-        assert 0.0 <= a["agreement"] <= 1.0 and a["positions"] > 0 and 1.0 <= a["mean_exit_layer"] <= 5.0
-        assert set(a["per_category"]) == {"writing", "qa"}
-        p = r["perplexity"]["early_exit"][policy]
-        assert p["tokens"] == 24 and p["perplexity"] > 1
-    assert r["perplexity"]["full"]["tokens"] == 24 and r["perplexity"]["full"]["perplexity"] > 1
-    assert set(r["multiple_choice"]["tasks"]) == {"csqa", "sst2", "mmlu"}
+        n, hist = a["positions"], a["exit_histogram"]
+        assert n == r["agreement"]["continuation_tokens"] == sum(p["positions"] for p in a["per_prompt"])
+        assert len(hist) == 5 and sum(hist) == n
+        assert a["mean_exit_layer"] == pytest.approx(mean_layers(hist))
+        assert a["exit_rate"] == pytest.approx((n - hist[-1]) / n)
+        assert a["agreement"] == pytest.approx(sum(p["agreement"] * p["positions"] for p in a["per_prompt"]) / n)
+        assert a["per_category"] == {p["category"]: {"agreement": pytest.approx(p["agreement"]),
+                                                     "positions": p["positions"]} for p in a["per_prompt"]}
+        assert list(a["per_category"]) == ["writing", "qa"]
+    ppl = r["perplexity"]
+    # 24 tokens in windows of 16 whose first two tokens are context: 14 + 10 scored
+    assert (ppl["window"], ppl["windows"]) == (16, 2)
+    full = ppl["full"]
+    assert full["tokens"] == 24 and full["perplexity"] == pytest.approx(math.exp(-full["mean_logprob"]))
+    for policy in ("skip", "recompute"):
+        p = ppl["early_exit"][policy]
+        assert p["tokens"] == sum(p["exit_histogram"]) == 24
+        assert p["perplexity"] == pytest.approx(math.exp(-p["mean_logprob"]))
+        assert p["ratio_to_full"] == pytest.approx(p["perplexity"] / full["perplexity"])
+    assert list(r["multiple_choice"]["tasks"]) == ["csqa", "sst2", "mmlu"]
     for task in r["multiple_choice"]["tasks"].values():
-        assert task["items"] == 3
-        for who in ("full", "early_exit"):
-            lo, hi = task[who]["ci95"]
-            assert 0.0 <= lo <= task[who]["accuracy"] <= hi <= 1.0
-        assert 0.0 <= task["early_exit"]["mcnemar_p"] <= 1.0
+        items = task["per_item"]
+        assert task["items"] == len(items) == 3
+        right = {who: [x[who] == x["gold"] for x in items] for who in ("full", "early_exit")}
+        for who, ok in right.items():
+            assert (task[who]["correct"], task[who]["accuracy"]) == (sum(ok), sum(ok) / 3)
+            assert task[who]["ci95"] == list(wilson(sum(ok), 3))
+        ee = task["early_exit"]
+        b = sum(f and not e for f, e in zip(right["full"], right["early_exit"]))
+        c = sum(e and not f for f, e in zip(right["full"], right["early_exit"]))
+        assert (ee["full_right_ee_wrong"], ee["full_wrong_ee_right"], ee["mcnemar_p"]) == (b, c, mcnemar(b, c))
+        assert ee["answers_changed"] == sum(x["full"] != x["early_exit"] for x in items)
+        assert sum(ee["exit_histogram"]) == 3 and ee["mean_exit_layer"] == pytest.approx(mean_layers(ee["exit_histogram"]))
     assert {x["id"].split("/")[0] for x in r["multiple_choice"]["tasks"]["mmlu"]["per_item"]} == {"astronomy", "virology"}
+    check_figures(out, ["quality.png"])
 
 
-def test_cli_oracle(tmp_path, capsys):
+def test_cli_oracle(tmp_path, llm, capsys):
     out = tmp_path / "oracle"
-    stdout = run_cli(["bench", "oracle", *common_args(out), "--max-new-tokens", "12"], capsys)
+    argv = ["bench", "oracle", *common_args(out), "--max-new-tokens", "12"]
+    stdout = run_cli(argv, capsys).out
     assert "bound (L / mean)" in stdout
-    r = check_outputs(out, ["oracle_exit_layers.png"])
+    r = check_outputs(out, llm, argv)
     o = r["overall"]
-    assert o["drafter"]["positions"] == o["free"]["positions"] > 0
-    assert 1.0 <= o["free"]["mean_layers"] <= o["drafter"]["mean_layers"] <= 5.0
-    assert o["drafter"]["bound"] == pytest.approx(5 / o["drafter"]["mean_layers"])
-    assert sum(o["drafter"]["histogram"]) == o["drafter"]["positions"]
-    assert 0.0 <= o["topk_hit_rate"] <= 1.0 and set(r["per_category"]) == {"writing", "qa"}
+    n = o["drafter"]["positions"]
+    assert list(r["per_category"]) == ["writing", "qa"]
+    assert n == o["free"]["positions"] == sum(c["drafter"]["positions"] for c in r["per_category"].values())
+    for s in (o["free"], o["drafter"]):
+        hist = s["histogram"]
+        assert len(hist) == 5 and sum(hist) == n
+        assert s["mean_layers"] == pytest.approx(mean_layers(hist))
+        assert s["bound"] == pytest.approx(5 / s["mean_layers"])
+        assert s["share_full_depth"] == pytest.approx(hist[-1] / n)
+    assert o["topk_hit_rate"] == pytest.approx(
+        sum(c["topk_hit_rate"] * c["drafter"]["positions"] for c in r["per_category"].values()) / n)
+    # the drafter restriction only moves positions to full depth: those its top-k misses
+    free, drafter = o["free"]["histogram"], o["drafter"]["histogram"]
+    assert all(d <= f for d, f in zip(drafter[:-1], free[:-1]))
+    misses = round((1 - o["topk_hit_rate"]) * n)
+    assert max(misses, free[-1]) <= drafter[-1] <= misses + free[-1]
+    assert o["free"]["mean_layers"] <= o["drafter"]["mean_layers"]
+    check_figures(out, ["oracle_exit_layers.png"])
 
 
-def test_cli_sweep(tmp_path, banks, capsys):
+def test_cli_sweep(tmp_path, llm, banks, capsys):
+    from specee.bench.common import fit_prompt, make_config, resolve_chat, use_config
+    from specee.bench.quality import agreement, full_depth_continuations
+    from specee.bench.tasks import load_prompts
+
     out = tmp_path / "sweep"
-    stdout = run_cli(["bench", "sweep", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "6",
-                      "--categories", "qa", "--scales", "0.5,1,4", "--offline-sizes", "bank", "--online-windows", "0,4",
-                      "--warmup", "0"], capsys)
+    argv = ["bench", "sweep", *common_args(out), "--bank", banks["random"][0], "--max-new-tokens", "6",
+            "--categories", "qa", "--scales", "0.5,1,4", "--offline-sizes", "bank", "--online-windows", "0,4",
+            "--warmup", "0"]
+    stdout = run_cli(argv, capsys).out
     assert "| threshold scale |" in stdout
-    r = check_outputs(out, ["pareto.png"])
+    r = check_outputs(out, llm, argv)
     pts = r["points"]
     assert [(p["threshold_scale"], p["online_window"]) for p in pts] == [(0.5, 4), (1.0, 4), (4.0, 4), (1.0, 0)]
     assert sum(p["default"] for p in pts) == 1 and pts[1]["default"]
-    assert any(p["pareto"] for p in pts)
+    full = r["full_depth"]
+    for m in ("tokens_per_second", "decode_tokens_per_second"):
+        assert full["baseline"][m] == pytest.approx((full["before"][m] + full["after"][m]) / 2)
     for p in pts:
-        assert 0.0 <= p["agreement"] <= 1.0 and p["speedup_vs_full"] > 0 and 1.0 <= p["mean_exit_layer"] <= 5.0
-    assert r["full_depth"]["baseline"]["tokens_per_second"] > 0
+        assert p["speedup_vs_full"] == pytest.approx(p["tokens_per_second"] / full["baseline"]["tokens_per_second"])
+        assert p["decode_speedup_vs_full"] == pytest.approx(p["decode_tokens_per_second"]
+                                                            / full["baseline"]["decode_tokens_per_second"])
+        assert sum(p["exit_histogram"]) == 6 and p["mean_exit_layer"] == pytest.approx(mean_layers(p["exit_histogram"]))
+
+    def dominated(p):
+        return any(q["agreement"] >= p["agreement"] and q["speedup_vs_full"] >= p["speedup_vs_full"]
+                   and (q["agreement"], q["speedup_vs_full"]) != (p["agreement"], p["speedup_vs_full"]) for q in pts)
+
+    assert [p["pareto"] for p in pts] == [not dominated(p) for p in pts]
+    # each point's agreement is bench quality's teacher-forced agreement under that point's config
+    prompt = load_prompts(categories=["qa"], count=1)[0]
+    ids = fit_prompt(llm, prompt.text, resolve_chat(llm, "auto"), 6)[0]
+    conts = full_depth_continuations(llm, [ids], 6)
+    try:
+        for p in pts:
+            use_config(llm, make_config("ngram", banks["random"][0], 4, kv_policy="recompute", mode="lossy",
+                                        threshold_scale=p["threshold_scale"], offline_size=None,
+                                        online_window=p["online_window"], online_radius=1, max_pending=8))
+            a = agreement(llm, [ids], conts)
+            assert (p["agreement"], p["teacher_forced_mean_exit_layer"]) == (a["agreement"], a["mean_exit_layer"])
+    finally:
+        use_config(llm, None)
+    check_figures(out, ["pareto.png"])
+
+
+def test_pareto_known_case():
+    from specee.bench.sweep import pareto
+
+    pts = [{"agreement": 1.0, "speedup_vs_full": 1.0},   # most faithful: optimal
+           {"agreement": 0.9, "speedup_vs_full": 1.3},   # fastest: optimal
+           {"agreement": 0.9, "speedup_vs_full": 1.2},   # as faithful as the one above, slower: dominated
+           {"agreement": 0.8, "speedup_vs_full": 1.25},  # less faithful and slower than 0.9 / 1.3: dominated
+           {"agreement": 0.95, "speedup_vs_full": 1.1},  # nothing is both faster and more faithful: optimal
+           {"agreement": None, "speedup_vs_full": 2.0},  # a failed point: never optimal, dominates nothing
+           {"agreement": 0.9, "speedup_vs_full": 1.3}]   # a tie does not dominate: optimal like its twin
+    assert pareto(pts) == [True, True, False, False, True, False, True]
 
 
 def test_cli_errors(tmp_path, capsys):
@@ -444,24 +625,56 @@ def test_cli_speed_speculative(tmp_path, capsys):
     out = tmp_path / "speed-spec"
     stdout = run_cli(["bench", "speed", *common_args(out), "--max-new-tokens", "12", "--repeats", "1", "--warmup", "0",
                       "--policies", "", "--no-lossless", "--speculative-config", '{"method": "ngram"}',
-                      "--hf-prompt-lookup", "2", "--row-costs"], capsys)
+                      "--hf-prompt-lookup", "2", "--row-costs"], capsys).out
     r = json.loads((out / "report.json").read_text())
     assert r["order"] == ["transformers", "full", "spec-ngram-n4", "hf-prompt-lookup"]
+    for c in r["configs"].values():  # EOS ignored: exactly --max-new-tokens tokens, drafting or not
+        assert [p["tokens"] for p in c["per_prompt"]] == [12, 12]
     assert r["identity"]["spec-ngram-n4"]["all_identical"] is True
     spec = r["configs"]["spec-ngram-n4"]["speculative"]
-    assert spec["drafts"] > 0 and 1.0 <= spec["mean_accepted_length"] <= 5.0
+    assert spec["drafts"] > 0 and spec["accepted_tokens"] <= spec["draft_tokens"] <= 4 * spec["drafts"]
     assert spec["mean_accepted_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
-    assert len(spec["acceptance_rate_per_position"]) == 4
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted_tokens"] / spec["draft_tokens"])
+    per_pos = spec["acceptance_rate_per_position"]
+    assert len(per_pos) == 4 and all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # j + 1 accepted only after j
+    assert sum(per_pos) * spec["drafts"] == pytest.approx(spec["accepted_tokens"], abs=1e-3 * spec["drafts"])
     costs = r["row_costs"]
-    assert set(costs["ms"]) == {"float32", "bfloat16"} and all(m > 0 for ms in costs["ms"].values() for m in ms)
+    assert costs["rows"] == [1, 2, 4, 8]
+    assert {name: len(ms) for name, ms in costs["ms"].items()} == {"float32": 4, "bfloat16": 4}
     # stories260K's MLP width (172) is neither a multiple of the int4 group nor of int8's 16
     assert set(costs["unsupported"]) == {"int4", "int8"}
     assert "## Speculative decoding" in stdout and "int4: not measured" in stdout
 
 
-def test_llama_cpp_peer_refuses_what_it_cannot_run(monkeypatch):
-    import sys
+def test_figures_skipped_without_matplotlib(tmp_path, llm, capsys, monkeypatch):
+    """matplotlib is an optional extra: without it a benchmark still runs and writes report.json and
+    report.md, and says once on stderr that the figures were skipped and how to install them."""
+    from specee.bench.cli import finish
 
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
+
+    def never(report, path):
+        raise AssertionError(f"drew {path} without matplotlib")
+
+    figures = {"exit_histogram.png": never, "throughput.png": never}  # speed's two figures: one note
+    assert finish(argparse.Namespace(out=str(tmp_path / "unit")), {"benchmark": "x"}, "# md\n", figures) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if "figures skipped" in line]
+    assert len(notes) == 1 and "exit_histogram.png, throughput.png" in notes[0]
+    assert "pip install 'specee[plots]'" in notes[0]
+    assert sorted(p.name for p in (tmp_path / "unit").iterdir()) == ["report.json", "report.md"]
+
+    out = tmp_path / "oracle"
+    argv = ["bench", "oracle", *common_args(out), "--max-new-tokens", "4", "--categories", "qa"]
+    cap = run_cli(argv, capsys)
+    assert "bound (L / mean)" in cap.out
+    assert cap.err.count("pip install 'specee[plots]'") == 1 and "oracle_exit_layers.png" in cap.err
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+    assert "## Figures" not in (out / "report.md").read_text()
+    assert list(check_outputs(out, llm, argv)["per_category"]) == ["qa"]
+
+
+def test_llama_cpp_peer_refuses_what_it_cannot_run(monkeypatch):
     from specee.bench.common import BenchError
     from specee.bench.llama_cpp import LlamaCppPeer
 

@@ -1,24 +1,31 @@
-"""Calibration on a tiny real model (stories260K as the target, the n-gram drafter), checked
-against an independent recomputation, plus the calibration-prompt loader."""
+"""Calibration (specee/calibration/) on a tiny real model (stories260K as the target, the n-gram
+drafter), checked against an independent recomputation; the drafter left as it was found (the
+reference pair); the calibration-prompt loader."""
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from specee.drafters import NGramDrafter
-from specee.exit import BankMismatchError, PredictorBank, calibrate, format_summary, load_calibration_prompts
-from specee.exit.calibrate import ChatPrompt, _encode
+from specee.calibration import ChatPrompt, calibrate, format_summary, load_calibration_prompts
+from specee.calibration.exit_data import record_calibration
+from specee.calibration.prompts import encode_prompt
+from specee.drafters import DraftModelDrafter, NGramDrafter
+from specee.exit import BankMismatchError, PredictorBank
 from specee.model.llama import Transformer
 from specee.model.weights import fingerprint_weights
 from specee.tokenizer import Tokenizer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 STORIES = SHARED / "models" / "stories260K"
+TARGET, DRAFT = SHARED / "models" / "ref-target-24L", SHARED / "models" / "ref-draft-4L"
 CALIB = SHARED / "data" / "calibration"
 needs_shared = pytest.mark.skipif(not (STORIES.exists() and CALIB.exists()),
                                   reason=f"shared models/data not found under {SHARED} (../shared is absent)")
+needs_pair = pytest.mark.skipif(not (TARGET.exists() and DRAFT.exists() and CALIB.exists()),
+                                reason=f"the reference pair or calibration data not found under {SHARED}")
 
 NAMES = ["Lily", "Tom", "Ben", "Sue", "Max", "Anna", "Tim", "Mia", "Sam", "Lucy", "Jack", "Zoe"]
 PROMPTS = [f"{n} had {t}." for n in NAMES for t in ("a ball", "a cat")]
@@ -34,11 +41,10 @@ def stories():
 
 
 @pytest.fixture(scope="module")
-def split_bank(stories):
+def bank(stories):
     model, tok = stories
     return calibrate(model, tok, NGramDrafter(4, model.cfg.vocab_size), PROMPTS, max_new_tokens=MAX_NEW,
-                     batch_size=12, folds=1, heldout_fraction=0.3, min_exits=5, train_steps=200,
-                     target_dir=STORIES, progress=False)
+                     batch_size=12, min_exits=5, train_steps=200, target_dir=STORIES, progress=False)
 
 
 # ---- an independent reference: plain forwards, full logit lens, the drafter stepped by hand ----
@@ -89,45 +95,46 @@ def reference_records(model, tok, prompts: list[str]):
 
 
 @needs_shared
-def test_calibrated_predictors_beat_always_positive(stories, split_bank):
+def test_recorded_data_matches_an_independent_recomputation(stories):
+    """Steps (a)-(c): batched generation + layer-by-layer teacher forcing give the features,
+    labels and in-spec flags of plain re-forwards with the full logit lens."""
     model, tok = stories
-    bank, s = split_bank, split_bank.summary
-    L = model.cfg.num_layers
-    # from the summary
-    assert s["heldout_kind"] == "held-out" and s["heldout_prompts"]
-    assert s["heldout_precision@0.5"] > s["heldout_base_rate"] + 0.2
-    # independently: regenerate the held-out prompts' continuations and recompute everything
-    held = [PROMPTS[i] for i in s["heldout_prompts"]]
-    X, correct, in_spec = reference_records(model, tok, held)
-    assert X.shape[1] == s["heldout_positions"]
-    probs = torch.stack([bank.prob(l, X[l]) for l in range(L)])
-    inner = slice(0, L - 1)  # the last layer's label is trivially true
-    predicted = probs[inner] > 0.5
-    precision = correct[inner][predicted].float().mean().item()
-    base = correct[inner].float().mean().item()
-    assert precision > base + 0.2, (precision, base)
-    assert precision == pytest.approx(s["heldout_precision@0.5"], abs=0.02)
-    assert base == pytest.approx(s["heldout_base_rate"], abs=1e-6)
-    # per layer too, wherever the predictor says yes at all
-    for l in range(L - 1):
-        if predicted[l].any() and 0 < correct[l].float().mean() < 1:
-            assert correct[l][predicted[l]].float().mean() >= correct[l].float().mean()
-    # the thresholds mean what the summary says: simulate the first-firing exit
-    exit_wrong, exits = 0, 0
-    done = torch.zeros(X.shape[1], dtype=torch.bool)
-    for l in bank.enabled_layers:
-        fire = (probs[l] > bank.thresholds[l]) & in_spec[l] & ~done
-        exits += int(fire.sum())
-        exit_wrong += int((fire & ~correct[l]).sum())
-        done |= fire
-    assert exits > 0
-    assert 1 - exit_wrong / X.shape[1] == pytest.approx(s["expected_agreement"], abs=0.01)
+    prompts = PROMPTS[:6]
+    rec = record_calibration(model, tok, NGramDrafter(4, model.cfg.vocab_size), prompts, max_new_tokens=MAX_NEW,
+                             batch_size=4, progress=False)
+    X, correct, in_spec = reference_records(model, tok, prompts)
+    order = torch.argsort(rec["owner"], stable=True)  # batches run by length; the reference by prompt
+    assert rec["feats"].shape == X.shape and rec["draft_vocab"] is None
+    torch.testing.assert_close(rec["feats"][:, order], X, atol=1e-4, rtol=0)
+    assert torch.equal(rec["correct"][:, order], correct) and torch.equal(rec["in_spec"][:, order], in_spec)
+    assert torch.equal(rec["next"], rec["final"])  # teacher forcing reproduces the generated tokens
 
 
 @needs_shared
-def test_bank_contract_and_round_trip(stories, split_bank, tmp_path):
+def test_cross_fitted_predictors_and_thresholds(stories, bank):
+    model, tok = stories
+    s, L = bank.summary, model.cfg.num_layers
+    assert s["folds"] == 4 and s["heldout_positions"] == s["positions"]  # every position scored out of fold
+    assert s["heldout_precision@0.5"] > s["heldout_base_rate"] + 0.2
+    assert s["cross_validated"] is not None and 0 <= s["cross_validated"]["expected_agreement"] <= 1
+    # sequential thresholds: the exits a first-firing decode takes at each layer meet the target precision,
+    # so the disagreement is at most exit_rate x (1 - target precision)
+    assert bank.enabled_layers and s["exit_rate"] > 0
+    for row in s["per_layer"]:
+        if row["first_exits"]:
+            assert row["layer"] in bank.enabled_layers and row["first_exit_precision"] >= s["target_precision"]
+    assert 1 - s["expected_agreement"] <= s["exit_rate"] * (1 - s["target_precision"]) + 1e-9
+    # the bank's own predictors (the final set, standardisation folded in) on independently computed features
+    X, correct, _ = reference_records(model, tok, PROMPTS[:6])
+    probs = torch.stack([bank.prob(l, X[l]) for l in range(L)])
+    inner = slice(0, L - 1)  # the last layer's label is trivially true
+    predicted = probs[inner] > 0.5
+    assert correct[inner][predicted].float().mean() > correct[inner].float().mean() + 0.2
+
+
+@needs_shared
+def test_bank_contract_and_round_trip(stories, bank, tmp_path):
     model, _ = stories
-    bank = split_bank
     L = model.cfg.num_layers
     assert bank.num_layers == L and bank.k == 4 and len(bank.thresholds) == L
     assert math.isinf(bank.thresholds[-1])  # the last layer never "exits"
@@ -149,22 +156,6 @@ def test_bank_contract_and_round_trip(stories, split_bank, tmp_path):
 
 
 @needs_shared
-def test_cross_fitted_calibration_and_agreement_mode(stories):
-    model, tok = stories
-    drafter = NGramDrafter(4, model.cfg.vocab_size)
-    bank = calibrate(model, tok, drafter, PROMPTS, max_new_tokens=MAX_NEW, batch_size=24, min_exits=5,
-                     train_steps=150, target_dir=STORIES, progress=False)  # folds=4 (default)
-    s = bank.summary
-    assert s["heldout_kind"] == "out-of-fold" and s["heldout_positions"] == s["positions"]
-    assert s["cross_validated"] is not None and 0 <= s["cross_validated"]["expected_agreement"] <= 1
-    assert s["heldout_precision@0.5"] > s["heldout_base_rate"]
-    bank2 = calibrate(model, tok, drafter, PROMPTS, max_new_tokens=24, batch_size=12, min_exits=5,
-                      train_steps=100, target_dir=STORIES, progress=False, target_agreement=0.99, max_prompts=12)
-    assert bank2.summary["target_agreement"] == 0.99 and bank2.summary["prompts"] == 12
-    assert bank2.summary["expected_agreement"] >= 0.99
-
-
-@needs_shared
 def test_calibrate_argument_errors(stories):
     model, tok = stories
     drafter = NGramDrafter(4, model.cfg.vocab_size)
@@ -176,6 +167,12 @@ def test_calibrate_argument_errors(stories):
         calibrate(model, tok, drafter, PROMPTS, target_dir=STORIES, progress=False, draft_vocab=100)
     with pytest.raises(ValueError, match="draft_vocab must be >= 0"):
         calibrate(model, tok, drafter, PROMPTS, target_dir=STORIES, progress=False, draft_vocab=-1)
+    with pytest.raises(ValueError, match="folds must be >= 2"):
+        calibrate(model, tok, drafter, PROMPTS, target_dir=STORIES, progress=False, folds=1)
+    with pytest.raises(TypeError, match="Transformer"):  # an LLM passes its .model (and fingerprint, eos ids)
+        calibrate(SimpleNamespace(model=model, model_dir=STORIES), tok, drafter, PROMPTS, progress=False)
+    with pytest.raises(ValueError, match="at least 2 prompts"):
+        calibrate(model, tok, drafter, PROMPTS[:1], max_new_tokens=8, target_dir=STORIES, progress=False)
 
 
 @needs_shared
@@ -183,10 +180,48 @@ def test_bank_without_a_named_target_is_refused_on_load(stories, tmp_path):
     model, tok = stories
     bank = calibrate(model, tok, NGramDrafter(4, model.cfg.vocab_size), PROMPTS, max_new_tokens=16,
                      max_prompts=8, min_exits=5, train_steps=20, progress=False)
-    assert bank.target_fingerprint == "unknown"
+    assert bank.target_fingerprint == "unknown" and bank.summary["prompts"] == 8  # max_prompts
     bank.save(tmp_path / "bank")
     with pytest.raises(BankMismatchError, match="target_dir"):
         PredictorBank.load(tmp_path / "bank", expect_target=fingerprint_weights(STORIES))
+
+
+@needs_pair
+def test_calibration_leaves_the_drafter_as_it_found_it(monkeypatch):
+    """The features are recorded under the FR-Spec shortlist, which the bank carries; the drafter's
+    own shortlist (none, or another one) and so its proposals are restored afterwards, also on error."""
+    tok = Tokenizer(TARGET)
+    model = Transformer.load(TARGET, "cpu", torch.float32)
+    drafter = DraftModelDrafter(DRAFT, tok, k=4, device="cpu", dtype=torch.float32)
+    prompts = load_calibration_prompts(CALIB / "alpaca_en_demo.json", limit=6)
+    probe = tok.encode("Once upon a time, the little cat")
+
+    def proposals() -> list[list[int]]:
+        drafter.reset(probe)
+        out = []
+        for _ in range(4):
+            top = drafter.propose()
+            out.append(top.tolist())
+            drafter.advance(int(top[0]))
+        return out
+
+    for previous in (None, torch.arange(0, 8192, 3)):
+        drafter.restrict_vocab(previous)
+        before = proposals()
+        bank = calibrate(model, tok, drafter, prompts, max_new_tokens=12, min_exits=1, train_steps=5,
+                         target_dir=TARGET, progress=False)
+        assert bank.draft_vocab is not None and bank.draft_vocab.numel() == 2048
+        assert drafter.shortlist is None if previous is None else torch.equal(drafter.shortlist, previous)
+        assert proposals() == before
+
+    def broken(ids, start):
+        assert drafter.shortlist is not None and drafter.shortlist.numel() == 2048  # recording under the shortlist
+        raise RuntimeError("drafter failed")
+
+    monkeypatch.setattr(drafter, "teacher_forced_top_k", broken)
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        calibrate(model, tok, drafter, prompts, max_new_tokens=12, target_dir=TARGET, progress=False)
+    assert torch.equal(drafter.shortlist, torch.arange(0, 8192, 3))
 
 
 # ---- calibration prompts ----------------------------------------------------------------------
@@ -222,9 +257,9 @@ def test_prompt_files_and_errors(tmp_path):
 @needs_shared
 def test_chat_prompts_use_the_template():
     tok = Tokenizer(SHARED / "models" / "ref-target-24L")
-    ids = _encode(tok, ChatPrompt("Say hi"), chat=False, max_prompt_tokens=256)
+    ids = encode_prompt(tok, ChatPrompt("Say hi"), chat=False, max_prompt_tokens=256)
     assert ids == tok.encode_chat([{"role": "user", "content": "Say hi"}])
     assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
-    assert _encode(tok, "Say hi", chat=False, max_prompt_tokens=256) == tok.encode("Say hi")
-    long_chat = _encode(tok, ChatPrompt("word " * 500), chat=False, max_prompt_tokens=32)
+    assert encode_prompt(tok, "Say hi", chat=False, max_prompt_tokens=256) == tok.encode("Say hi")
+    long_chat = encode_prompt(tok, ChatPrompt("word " * 500), chat=False, max_prompt_tokens=32)
     assert len(long_chat) == 32 and long_chat[-3:] == ids[-3:]  # the generation prompt survives

@@ -220,7 +220,7 @@ def test_restricted_draft_proposes_the_best_of_its_shortlist(drafter, target_tok
     finally:
         d.restrict_vocab(None)
     assert d.shortlist is None
-    from specee.exit.calibrate import record_calibration
+    from specee.calibration.exit_data import record_calibration
 
     with pytest.raises(ValueError, match="exceeds the draft's vocabulary"):  # refused before any work
         record_calibration(d.model, target_tok, d, ["hello"], draft_vocab=9000, progress=False)

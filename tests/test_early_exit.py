@@ -106,7 +106,7 @@ def test_recompute_cache_equals_full_depth_cache(deep_llm):
     filled = r.cache.filled[:, 0, :n]
     # Everything is filled except the layers still owed by rows carried past the end.
     owed = torch.zeros_like(filled)
-    for p in r.pending:
+    for p in r.kv.pending:
         owed[p.resume:, p.slot] = True
     assert torch.equal(filled, ~owed)
     assert sum(seq.stats.early_exit["exit_histogram"][:-1]) >= 8

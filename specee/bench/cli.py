@@ -15,8 +15,10 @@ from typing import Any
 
 from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, device_arg, non_negative_int, positive_int, quantization_mode,
                    speculative_k)
-from .common import (DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, load_prompts, parse_list, write_json,
-                     write_text)
+from .common import DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, parse_list
+from .plots import draw_figures
+from .report import write_json, write_text
+from .tasks import MC_TASKS, load_prompts
 
 
 def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options: bool = True,
@@ -120,17 +122,14 @@ def argv_of(args: argparse.Namespace) -> list[str]:
 
 
 def finish(args: argparse.Namespace, report: dict[str, Any], markdown: str, figures: dict[str, Any]) -> int:
-    """Print the Markdown summary; with --out write report.json, report.md and the figures."""
+    """Print the Markdown summary; with --out write report.json, report.md and the figures (skipped,
+    with a note on stderr, where matplotlib is not installed)."""
     sys.stdout.write(markdown if markdown.endswith("\n") else markdown + "\n")
     sys.stdout.flush()
     if args.out:
         out = Path(args.out)
         written = [write_json(out / "report.json", report)]
-        made = []
-        for name, plot in figures.items():
-            path = plot(report, out / name)
-            if path is not None:
-                made.append(path)
+        made = draw_figures(report, out, figures)
         if made:
             markdown += "\n## Figures\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in made) + "\n"
         written.append(write_text(out / "report.md", markdown))
@@ -164,7 +163,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
 
 def cmd_quality(args: argparse.Namespace) -> int:
     from . import plots
-    from .quality import MC_TASKS, quality_markdown, run_quality
+    from .quality import quality_markdown, run_quality
 
     parts = parse_list(args.parts) or []
     tasks = parse_list(args.mc_tasks) or []

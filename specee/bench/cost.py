@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .common import md_table, sync
+from .common import sync
+from .report import md_table
 
 SPEEDUPS = (1.0, 1.2, 1.5)
 

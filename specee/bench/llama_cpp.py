@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .common import BenchError
+from .timing import Run
 
 
 class LlamaCppPeer:
@@ -35,8 +36,6 @@ class LlamaCppPeer:
         return int(logits.argmax())
 
     def run(self, ids: list[int], max_new_tokens: int):
-        from .speed import Run
-
         m = self.model
         m.reset()
         t0 = time.perf_counter()

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from .common import (Prompt, environment, environment_md, fit_prompt, md_table, progress, resolve_chat)
+from .common import fit_prompt, progress, resolve_chat
+from .report import environment, environment_md, md_table
+from .tasks import Prompt
 
 
 @torch.inference_mode()

@@ -1,8 +1,43 @@
-"""PNG figures for the benchmark reports (matplotlib, Agg canvas: no display, no pyplot state)."""
+"""PNG figures for the benchmark reports (matplotlib, Agg canvas: no display, no pyplot state).
+
+matplotlib is optional (`pip install 'specee[plots]'`) and imported only when a figure is drawn:
+without it `draw_figures` draws nothing and says so once on stderr, and the reports are written
+as usual."""
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Mapping
+from importlib import import_module
 from pathlib import Path
 from typing import Any
+
+INSTALL_HINT = "pip install 'specee[plots]'"
+
+
+def have_matplotlib() -> bool:
+    try:
+        import_module("matplotlib")
+    except ImportError:
+        return False
+    return True
+
+
+def draw_figures(report: dict[str, Any], out: str | Path,
+                 figures: Mapping[str, Callable[[dict[str, Any], Path], Path | None]]) -> list[Path]:
+    """Draw each figure (file name -> plot function) into `out`; the paths of those drawn. Without
+    matplotlib: none, and one line on stderr naming the skipped figures and how to get them."""
+    if not figures:
+        return []
+    if not have_matplotlib():
+        print(f"specee bench: figures skipped ({', '.join(figures)}): matplotlib is not installed; "
+              f"to draw them: {INSTALL_HINT}", file=sys.stderr)
+        return []
+    made = []
+    for name, plot in figures.items():
+        path = plot(report, Path(out) / name)
+        if path is not None:
+            made.append(path)
+    return made
 
 
 def _figure(width: float, height: float):

@@ -15,7 +15,7 @@
     distribution early exit used at that position (the exit layer's logit lens where it exited).
 
 (c) Multiple choice: CommonsenseQA (5 choices), SST-2 (2) and an MMLU subset (4), few-shot,
-    raw text prompts ending in "Answer:"; the answer is a letter.
+    raw text prompts ending in "Answer:"; the answer is a letter (items and prompts: tasks.py).
     Scoring: the candidate letters' next-token logits at the answer position; the prediction
     is the letter with the highest logit (restricted argmax). The full model uses the final
     layer. For early exit the answer position is the first early-exit step (the prompt but
@@ -37,22 +37,20 @@
 """
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..engine.early_exit import KV_POLICIES, mean_layers_run
-from .common import (BenchError, round_robin, Prompt, environment, environment_md, fit_prompt, make_config,
-                     mcnemar, md_table, progress, resolve_chat, shared_file, use_config, wilson)
-
-LETTERS = "ABCDEFGHIJ"
-MC_TASKS = ("csqa", "sst2", "mmlu")
+from ..engine.early_exit import KV_POLICIES
+from ..exit.stats import mean_layers_run
+from .common import (BenchError, fit_prompt, make_config, mcnemar, progress, resolve_chat, shared_file, use_config,
+                     wilson)
+from .report import environment, environment_md, md_table
+from .tasks import (LETTERS, MC_TASKS, MCItem, Prompt, answer_separator, encode_mc, load_mc_task,
+                    read_text_tokens)
 
 
 # ---- (a) agreement under teacher forcing ---------------------------------------------------------
@@ -112,17 +110,6 @@ def agreement(llm, prompt_ids: Sequence[list[int]], continuations: Sequence[list
 
 
 # ---- (b) perplexity ------------------------------------------------------------------------------
-def read_text_tokens(llm, path: Path, tokens_needed: int) -> list[int]:
-    """Tokens of the start of a text file (no special tokens), at least `tokens_needed` if it has them."""
-    text = path.read_text(encoding="utf-8")
-    chars = max(4096, tokens_needed * 8)
-    while True:
-        ids = llm.tokenizer.encode(text[:chars], add_special_tokens=False)
-        if len(ids) > tokens_needed + 1 or chars >= len(text):
-            return ids
-        chars *= 2
-
-
 def perplexity_windows(llm, token_ids: Sequence[int], tokens: int, window: int) -> list[tuple[list[int], list[int]]]:
     """(context, scored continuation) windows of at most `window` tokens, `tokens` scored in all.
 
@@ -187,167 +174,21 @@ def perplexity_early_exit(llm, windows, show_progress: bool = False) -> dict[str
 
 
 # ---- (c) multiple choice -------------------------------------------------------------------------
-@dataclass
-class MCItem:
-    task: str
-    id: str
-    question: str  # the question block without the answer line
-    options: list[str]
-    answer: int  # index of the gold option
-    header: str = ""  # e.g. MMLU's "The following are ... about <subject>."
-    shots: list["MCItem"] = field(default_factory=list)
-
-
-SEPARATORS = (" ", "\n", "")  # between "Answer:" and the letter, first one the tokenizer keeps apart
-
-
-def _block(item: MCItem, with_answer: bool, sep: str = " ") -> str:
-    lines = [f"Question: {item.question}"]
-    lines += [f"{LETTERS[i]}. {o}" for i, o in enumerate(item.options)]
-    lines.append("Answer:" + (f"{sep}{LETTERS[item.answer]}" if with_answer else ""))
-    return "\n".join(lines)
-
-
-def mc_prompt(item: MCItem, shots: int | None = None, sep: str = " ") -> str:
-    ex = item.shots if shots is None else item.shots[:shots]
-    parts = [_block(s, True, sep) for s in ex] + [_block(item, False, sep)]
-    return (item.header + "\n\n" if item.header else "") + "\n\n".join(parts)
-
-
-def _answer_tokens(llm, text: str, sep: str, n: int) -> tuple[list[int], list[int]] | None:
-    """(prompt ids, one distinct token per letter) for text + sep + letter, or None if the
-    tokenizer merges the separator into some letters but not others (no common split point)."""
-    encs = [llm.tokenizer.encode(f"{text}{sep}{LETTERS[i]}") for i in range(n)]
-    c = 0
-    while all(len(e) > c for e in encs) and len({e[c] for e in encs}) == 1:
-        c += 1
-    if c == 0 or any(len(e) <= c for e in encs):
-        return None
-    cands = [e[c] for e in encs]
-    if len(set(cands)) != n:
-        return None
-    return encs[0][:c], cands
-
-
-def answer_separator(llm, n_options: int) -> str:
-    """The first separator ("Answer: A", "Answer:\nA", "Answer:A") for which every letter is one
-    distinct token after a common prompt with this tokenizer."""
-    probe = "Question: Which one?\nA. one\nB. two\nAnswer:"
-    for sep in SEPARATORS:
-        if _answer_tokens(llm, probe, sep, n_options) is not None:
-            return sep
-    raise BenchError("this tokenizer does not give the answer letters single distinct tokens in any answer format")
-
-
-def load_csqa(path: Path, n: int, shots: int) -> list[MCItem]:
-    rows = [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
-    items = []
-    for r in rows:
-        q = r["question"]
-        labels = [c["label"] for c in q["choices"]]
-        items.append(MCItem("csqa", str(r.get("id", len(items))), q["stem"], [c["text"] for c in q["choices"]],
-                            labels.index(r["answerKey"])))
-    ex, rest = items[:shots], items[shots:shots + n]
-    for it in rest:
-        it.shots = ex
-    return rest
-
-
-def load_sst2(path: Path, n: int, shots: int) -> list[MCItem]:
-    items = []
-    with path.open(encoding="utf-8") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        for i, row in enumerate(reader):
-            if i == 0 and row and row[0].strip().lower() in ("text", "sentence"):
-                continue  # header
-            if len(row) < 2:
-                continue
-            text = row[0].strip()
-            items.append(MCItem("sst2", str(i), f'What is the sentiment of this review? "{text}"',
-                                ["negative", "positive"], int(row[1])))
-    # few-shot exemplars alternate labels (negative first), taken from the start of the file
-    ex: list[MCItem] = []
-    want = 0
-    for it in items:
-        if len(ex) == shots:
-            break
-        if it.answer == want:
-            ex.append(it)
-            want = 1 - want
-    taken = {id(x) for x in ex}
-    rest = [it for it in items if id(it) not in taken][:n]
-    for it in rest:
-        it.shots = ex
-    return rest
-
-
-def _read_mmlu_csv(path: Path) -> list[list[str]]:
-    with path.open(encoding="utf-8", newline="") as f:
-        rows = [r for r in csv.reader(f) if r]
-    if rows and [c.strip().lower() for c in rows[0][:2]] == ["question", "choice0"]:
-        rows = rows[1:]  # header row
-    return rows
-
-
-def _mmlu_answer(value: str) -> int:
-    value = value.strip()
-    return int(value) if value.isdigit() else LETTERS.index(value.upper())
-
-
-def load_mmlu(root: Path, n: int, shots: int, subjects: Sequence[str] | None = None) -> list[MCItem]:
-    """MMLU test items, round-robin over subjects (sorted), each with its subject's dev exemplars."""
-    test_dir, dev_dir = root / "test", root / "dev"
-    available = sorted(p.name[: -len("_test.csv")] for p in test_dir.glob("*_test.csv"))
-    if subjects:
-        unknown = [s for s in subjects if s not in available]
-        if unknown:
-            raise BenchError(f"unknown MMLU subjects {unknown}; available: {', '.join(available)}")
-        available = [s for s in available if s in subjects]
-    per_subject: dict[str, list[MCItem]] = {}
-    for s in available:
-        name = s.replace("_", " ")
-        header = f"The following are multiple choice questions (with answers) about {name}."
-
-        def item(row: list[str], idx: int, s=s, header=header) -> MCItem:
-            return MCItem("mmlu", f"{s}/{idx}", row[0], row[1:5], _mmlu_answer(row[5]), header)
-
-        dev = [item(r, i) for i, r in enumerate(_read_mmlu_csv(dev_dir / f"{s}_dev.csv"))][:shots] \
-            if (dev_dir / f"{s}_dev.csv").exists() else []
-        test = [item(r, i) for i, r in enumerate(_read_mmlu_csv(test_dir / f"{s}_test.csv"))]
-        for it in test:
-            it.shots = dev
-        per_subject[s] = test
-    return round_robin([per_subject[s] for s in available], n)
-
-
-def load_mc_task(task: str, n: int, shots: int, shared=None, mmlu_subjects=None) -> list[MCItem]:
-    if task == "csqa":
-        return load_csqa(shared_file(shared, "data", "commonsenseqa", "dev_rand_split.jsonl", what="CommonsenseQA"),
-                         n, shots)
-    if task == "sst2":
-        return load_sst2(shared_file(shared, "data", "sst2", "dev.tsv", what="SST-2"), n, shots)
-    if task == "mmlu":
-        return load_mmlu(shared_file(shared, "data", "mmlu", what="MMLU"), n, shots, mmlu_subjects)
-    raise BenchError(f"unknown multiple-choice task {task!r}; choose from {', '.join(MC_TASKS)}")
-
-
-def encode_mc(llm, item: MCItem, sep: str = " ") -> tuple[list[int], list[int], int] | None | str:
-    """(prompt ids up to the answer token, candidate token per option, shots used), dropping
-    exemplars until it fits the context; None if even zero-shot does not fit, "tokenization"
-    if the letters do not get distinct single tokens for this item.
-
-    Candidates: encode prompt + sep + X for each letter X; the prompt is the common prefix of
-    those encodings and each letter's candidate the token right after it (so tokenizers that
-    split " A" into "▁" + "A" still give one answer token per letter)."""
-    limit = llm.model.cfg.context_limit
-    for shots in range(len(item.shots), -1, -1):
-        got = _answer_tokens(llm, mc_prompt(item, shots, sep), sep, len(item.options))
-        if got is None:
-            return "tokenization"
-        ids, cands = got
-        if len(ids) + 1 <= limit:
-            return ids, cands, shots
-    return None
+def paired_accuracy(gold: Sequence[int], full: Sequence[int], early_exit: Sequence[int]) -> tuple[dict, dict]:
+    """Accuracy with a 95% Wilson interval of the full model's and early exit's answers to the same
+    items, and their paired comparison: answers changed, b = items the full model got right and
+    early exit wrong, c = the reverse, and the exact McNemar p-value of b vs c."""
+    n = len(gold)
+    full_right = [f == g for f, g in zip(full, gold)]
+    ee_right = [e == g for e, g in zip(early_exit, gold)]
+    fc, ec = sum(full_right), sum(ee_right)
+    b = sum(f and not e for f, e in zip(full_right, ee_right))
+    c = sum(e and not f for f, e in zip(full_right, ee_right))
+    return ({"accuracy": fc / n if n else None, "correct": fc, "ci95": list(wilson(fc, n))},
+            {"accuracy": ec / n if n else None, "correct": ec, "ci95": list(wilson(ec, n)),
+             "delta": (ec - fc) / n if n else None,
+             "answers_changed": sum(f != e for f, e in zip(full, early_exit)),
+             "full_right_ee_wrong": b, "full_wrong_ee_right": c, "mcnemar_p": mcnemar(b, c)})
 
 
 @torch.inference_mode()
@@ -355,9 +196,10 @@ def score_mc(llm, items: Sequence[MCItem], show_progress: bool = False,
              desc: str = "multiple choice") -> dict[str, Any]:
     """Accuracy of the full model and of early exit on items; see the module doc."""
     L = llm.model.cfg.num_layers
-    full_right: list[bool] = []
-    ee_right: list[bool] = []
-    changed = emitted = 0
+    gold: list[int] = []
+    full_preds: list[int] = []
+    ee_preds: list[int] = []
+    emitted = 0
     hist = [0] * L
     deviation = 0.0
     skipped = bad_tokens = 0
@@ -378,7 +220,6 @@ def score_mc(llm, items: Sequence[MCItem], show_progress: bool = False,
         cand = torch.tensor(cands, device=hs.device)
         full_logits = llm.model.logits(hs[-1, -1:]).float()[0]
         f_pred = int(full_logits[cand].argmax())
-        full_right.append(f_pred == it.answer)
         step = llm.teacher_forced(list(ids), [cands[it.answer]])[0]
         e = step.exit_layer
         hist[e] += 1
@@ -386,24 +227,18 @@ def score_mc(llm, items: Sequence[MCItem], show_progress: bool = False,
         e_pred = int(layer_logits[cand].argmax())
         deviation = max(deviation, abs(float(torch.log_softmax(layer_logits, -1)[cands[it.answer]]) - step.logprob))
         emitted += step.predicted == cands[e_pred]
-        ee_right.append(e_pred == it.answer)
-        changed += e_pred != f_pred
+        gold.append(it.answer)
+        full_preds.append(f_pred)
+        ee_preds.append(e_pred)
         per_item.append({"id": it.id, "gold": LETTERS[it.answer], "full": LETTERS[f_pred],
                          "early_exit": LETTERS[e_pred], "exit_layer": e + 1})
-    n = len(full_right)
+    n = len(gold)
     out: dict[str, Any] = {"items": n, "skipped_too_long": skipped, "skipped_tokenization": bad_tokens,
                            "answer_format": f"Answer:{sep}X",
                            "mean_shots": sum(shots_used) / len(shots_used) if shots_used else None}
-    fc = sum(full_right)
-    out["full"] = {"accuracy": fc / n if n else None, "correct": fc, "ci95": list(wilson(fc, n))}
-    ec = sum(ee_right)
-    b = sum(f and not e for f, e in zip(full_right, ee_right))
-    c = sum(e and not f for f, e in zip(full_right, ee_right))
+    out["full"], paired = paired_accuracy(gold, full_preds, ee_preds)
     out["early_exit"] = {
-        "accuracy": ec / n if n else None, "correct": ec, "ci95": list(wilson(ec, n)),
-        "delta": (ec - fc) / n if n else None,
-        "answers_changed": changed, "full_right_ee_wrong": b, "full_wrong_ee_right": c,
-        "mcnemar_p": mcnemar(b, c),
+        **paired,
         "mean_exit_layer": mean_layers_run(hist),
         "exit_histogram": hist,
         "emitted_is_answer": emitted / n if n else None,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .common import md_table, median, sync
+from .common import median, sync
+from .report import md_table
+from .timing import ConfigSpec, hf_run, load_hf_model, specee_run
 
 SPEC_KINDS = ("speculative", "hf_assisted")
 
@@ -18,7 +20,6 @@ SPEC_KINDS = ("speculative", "hf_assisted")
 def speculative_specs(configs: list[dict[str, Any]], prompt_lookup: int | None, assistant: str | None) -> list:
     """ConfigSpecs for specee's speculative configs and transformers' assisted-generation peers."""
     from ..spec.config import SpeculativeConfig
-    from .speed import ConfigSpec
 
     specs = []
     for raw in configs:
@@ -46,8 +47,6 @@ class SpeculativeRunner:
         self.assistants: dict[str, Any] = {}
 
     def run(self, spec, ids: list[int], max_new_tokens: int):
-        from .speed import hf_run, specee_run
-
         llm = self.llm
         if spec.kind == "speculative":
             if spec.name not in self.decoders:
@@ -63,8 +62,6 @@ class SpeculativeRunner:
         if "assistant_model" in extra:
             path = extra["assistant_model"]
             if path not in self.assistants:
-                from .speed import load_hf_model
-
                 self.assistants[path] = load_hf_model(path, llm.model.device, llm.model.dtype)
             extra["assistant_model"] = self.assistants[path]
         return hf_run(self.hf_model, ids, max_new_tokens, sorted(llm.eos_ids), extra)

@@ -23,11 +23,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from .common import (BenchError, Prompt, environment, environment_md, fit_prompt, make_config, md_table, median,
-                     progress, ratio, resolve_chat, use_config)
-from ..engine.early_exit import mean_layers_run
+from ..exit.stats import mean_layers_run
+from .common import BenchError, fit_prompt, make_config, median, progress, ratio, resolve_chat, use_config
 from .quality import agreement, full_depth_continuations
-from .speed import specee_run
+from .report import environment, environment_md, md_table
+from .tasks import Prompt
+from .timing import specee_run
 
 
 def _time_config(llm, fitted: list[list[int]], max_new_tokens: int, repeats: int, warmup: int) -> dict[str, Any]:

@@ -1,7 +1,11 @@
-"""Offline training of what decoding reads: the EAGLE draft head (`train_draft`).
+"""Offline training of what decoding reads: the exit predictor bank (`calibrate`, see
+`exit_bank`) and the EAGLE draft head (`train_draft`).
 
-Outside the engine's import graph: the engine loads what this package writes, never imports it.
+Outside the engine's module-level import graph: the engine loads what this package writes;
+only `LLM.cached_bank` imports `calibrate`, when a bank must be made on first use.
 """
+from .exit_bank import calibrate, format_summary
+from .prompts import ChatPrompt, load_calibration_prompts
 from .train_draft import Recipe, train_draft
 
-__all__ = ["Recipe", "train_draft"]
+__all__ = ["calibrate", "format_summary", "ChatPrompt", "load_calibration_prompts", "Recipe", "train_draft"]

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..exit.calibrate import default_calibration_dir
 from ..model.llama import Transformer
+from .prompts import default_calibration_dir
 
 
 # ---- text -------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from ..exit.calibrate import calibrate, format_summary, load_calibration_prompts
+    from ..calibration import calibrate, format_summary, load_calibration_prompts
 
     prompts = load_calibration_prompts(args.data, limit=args.prompts)
     args.no_exit = True
@@ -49,9 +49,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise CLIError("calibrate needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
     drafter = llm.make_drafter(str(draft), args.k)
     limit = {} if args.prompts is None else {"max_prompts": args.prompts}
-    bank = calibrate(llm, llm.tokenizer, drafter, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                     offline_size=args.offline_size, target_fingerprint=llm.fingerprint,
-                     draft_vocab=args.draft_vocab, **limit)
+    bank = calibrate(llm.model, llm.tokenizer, drafter, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                     offline_size=args.offline_size, target_dir=llm.model_dir, target_fingerprint=llm.fingerprint,
+                     eos_ids=llm.eos_ids, draft_vocab=args.draft_vocab, **limit)
     path = bank.save(args.output)
     if args.json:
         print(json.dumps(bank.manifest()))

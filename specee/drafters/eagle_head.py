@@ -115,6 +115,7 @@ class EagleHead:
         self.runtime.cfg = _layer_config(tc, config)
         self.runtime.device, self.runtime.dtype = target.device, target.dtype
         self.runtime.layers = [_layer_weights(params, config.num_heads * config.head_dim)]
+        self.runtime.expand_kv_for_mask = target.expand_kv_for_mask  # see Transformer.attention
         self.lm_head_rows = target.head.take_rows(shortlist)  # the shortlist's LM-head rows, gathered once
         self._fuse = params.get("fuse")
 

@@ -5,11 +5,12 @@ cache, so no row ever attends to them, and RoPE positions start at 0 for every p
 """
 from __future__ import annotations
 
-import time
+from dataclasses import replace
 from collections.abc import Iterator
 
 import torch
 
+from ..clock import device_time
 from ..model.kv_cache import KVCache
 from ..model.llama import StepInputs, Transformer
 from ..sampling import sample
@@ -41,6 +42,10 @@ def prefill_inputs(model: Transformer, cache: KVCache, prompts: list[list[int]])
     non-padding slots filled in `cache` (padding is never read)."""
     device = model.device
     width = max(len(p) for p in prompts)
+    if all(len(p) == width for p in prompts):  # no padding: causal attention, no mask
+        cache.filled[:, :, :width] = True
+        cache.length = width
+        return torch.tensor(prompts, device=device), model.range_inputs(0, width)
     pads = torch.tensor([width - len(p) for p in prompts], device=device)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     slots = model.slot_ids[:width]
@@ -66,18 +71,20 @@ def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positi
 @torch.inference_mode()
 def decode_full_depth(model: Transformer, seqs: list[Sequence]) -> Iterator[None]:
     """Greedy or sampled decoding at full depth, one token per sequence per step; yields after each
-    step (the caller reads the sequences: streaming needs no thread). All share one SamplingParams."""
+    step (the caller reads the sequences: streaming needs no thread). Their SamplingParams may
+    differ only in the seed."""
     params = seqs[0].params
-    assert all(s.params == params for s in seqs), "one SamplingParams per batch"
+    assert all(replace(s.params, seed=None) == replace(params, seed=None) for s in seqs), \
+        "one SamplingParams (but for the seed) per batch"
     for s in seqs:
         check_fits(model, len(s.prompt_ids), params.max_tokens)
     cache = model.new_cache(len(seqs), max(len(s.prompt_ids) for s in seqs) + params.max_tokens)
-    generators = [params.make_generator(model.device) for _ in seqs]  # per request, as vLLM seeds
+    generators = [s.params.make_generator(model.device) for s in seqs]  # per request, as vLLM seeds
     positions = torch.tensor([len(s.prompt_ids) for s in seqs], device=model.device)
 
-    t0 = time.perf_counter()
+    t0 = device_time(model.device)
     h = prefill(model, cache, [s.prompt_ids for s in seqs])
-    t1 = time.perf_counter()
+    t1 = device_time(model.device)
     try:
         while True:
             tokens = sample(model.logits(h), params, generators)
@@ -90,7 +97,7 @@ def decode_full_depth(model: Transformer, seqs: list[Sequence]) -> Iterator[None
             h = decode_step(model, cache, tokens, positions)
             positions += 1
     finally:  # also when the caller stops early (a closed stream)
-        t2 = time.perf_counter()
+        t2 = device_time(model.device)
         for s in seqs:
             s.stats.prefill_seconds = t1 - t0
             s.stats.decode_seconds = t2 - t1

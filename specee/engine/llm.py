@@ -13,13 +13,13 @@ from ..drafters.base import Drafter
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NGramDrafter
 from ..exit.bank import PredictorBank
-from ..exit.calibrate import calibrate, load_calibration_prompts
 from ..model.llama import Transformer
 from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .early_exit import EarlyExitConfig, EarlyExitDecoder, TeacherForcedStep
+from .engine import Engine
 from .full_depth import decode_full_depth
 from .sequence import RequestOutput, Sequence
 
@@ -28,7 +28,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 QUANTIZATIONS = (None, "int4", "int8", "auto")
-BANK_RECIPE = "r2"  # r2: the draft model's LM head restricted to a frequency shortlist
+BANK_RECIPE = "r3"  # r2: the draft model's LM head restricted to a frequency shortlist; r3: exit features in float32
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -88,6 +88,7 @@ class LLM:
         self.eos_ids = load_eos_ids(self.model_dir, self.model, self.tokenizer)
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
+        self.engine = Engine(self._decode, batched=lambda: self.early_exit is None and self.speculative is None)
         self.early_exit: EarlyExitDecoder | None = None
         if early_exit is not None:
             self.enable_early_exit(early_exit)
@@ -121,7 +122,7 @@ class LLM:
         else:
             bank = self.cached_bank(drafter, config.k)
         drafter.restrict_vocab(bank.draft_vocab)  # the shortlist the predictors were calibrated with
-        self.early_exit = EarlyExitDecoder(self.model, drafter, bank.to(self.model.device, self.model.dtype), config)
+        self.early_exit = EarlyExitDecoder(self.model, drafter, bank, config)
 
     def bank_cache_path(self, drafter: Drafter, k: int) -> Path:
         """Where the bank for this target + drafter + k + dtype is cached; the suffix names the
@@ -136,11 +137,15 @@ class LLM:
         if (path / "manifest.json").exists():
             return PredictorBank.load(path, expect_target=self.fingerprint, expect_drafter=drafter.fingerprint,
                                       num_layers=self.model.cfg.num_layers)
+        # imported here, not at module level: only this first-use path calibrates (the engine never needs it otherwise)
+        from ..calibration import calibrate, load_calibration_prompts
+
         if self.progress:
             print(f"specee: no predictor bank for this model + drafter yet; calibrating once "
                   f"(cached at {path})", file=sys.stderr)
-        bank = calibrate(self, self.tokenizer, drafter, load_calibration_prompts(), k=k,
-                         target_fingerprint=self.fingerprint, progress=self.progress)
+        bank = calibrate(self.model, self.tokenizer, drafter, load_calibration_prompts(), k=k,
+                         target_dir=self.model_dir, target_fingerprint=self.fingerprint, eos_ids=self.eos_ids,
+                         progress=self.progress)
         bank.save(path)
         return bank
 
@@ -169,14 +174,13 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
-        """Generate for one prompt or a batch; prompts sharing SamplingParams are decoded together."""
+        """Generate for one prompt or a batch; prompts whose SamplingParams differ only in the seed
+        are decoded together (each request draws from its own generator)."""
         seqs = self._sequences(prompts, sampling_params, chat)
-        groups: dict[SamplingParams, list[Sequence]] = {}
         for s in seqs:
-            groups.setdefault(s.params, []).append(s)
-        for group in groups.values():
-            for _ in self._steps(group):
-                pass
+            self.engine.add_request(s)
+        while self.engine.has_unfinished():
+            self.engine.step()
         return [s.output() for s in seqs]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -184,9 +188,14 @@ class LLM:
         """Yield text as it is produced, in the caller's thread (the decoders are step generators);
         the finished RequestOutput is `self.last_output`. Closing the iterator stops decoding."""
         (seq,) = self._sequences(prompt, sampling_params, chat)
-        for _ in self._steps([seq]):
-            if delta := seq.take_stream_delta():
-                yield delta
+        self.engine.add_request(seq)
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+                if delta := seq.take_stream_delta():
+                    yield delta
+        finally:
+            self.engine.abort(seq)  # a closed stream stops decoding
         self.last_output = seq.output()
 
     def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> list[TeacherForcedStep]:
@@ -197,8 +206,8 @@ class LLM:
         seq = Sequence(prompt_ids, list(prompt_ids), params, self.tokenizer, self.eos_ids)
         return self.early_exit.teacher_forced(seq, continuation)
 
-    def _steps(self, seqs: list[Sequence]) -> Iterator[None]:
-        """The decoder this LLM is configured with, stepped over `seqs` (one SamplingParams)."""
+    def _decode(self, seqs: list[Sequence]) -> Iterator[None]:
+        """The decoder this LLM is configured with, stepped over `seqs` (SamplingParams equal but for the seed)."""
         if self.early_exit is None and self.speculative is None:
             yield from decode_full_depth(self.model, seqs)
             return

@@ -11,10 +11,15 @@ The delta is taken against layer l-1, not the previously *scheduled* layer, so c
 (all layers) and inference (only scheduled layers) compute identical features whichever
 layers a scheduler picks; h_prev is always at hand in the decode loop (it is layer l's
 input). Both norms run in one call on a stacked [2, N, H] tensor.
+
+Everything here runs in float32 whatever the model's dtype: the predictors are trained and
+thresholded on these numbers, and in bfloat16 their rounding moves a probability past a
+threshold (the cost is k dot products).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 FEATURE_LAYOUT = [
     "logits[0:k] = final_norm(h_l) . lm_head[spec]  (spec tokens in drafter order)",
@@ -29,15 +34,20 @@ def num_features(k: int) -> int:
 
 
 def spec_rows(model, spec_ids: torch.Tensor) -> torch.Tensor:
-    """LM-head rows of the speculative tokens: [k, H] for spec_ids [k], [N, k, H] for [N, k].
-    Gather once per token; every checked layer reuses them. A quantized head gives its
+    """LM-head rows of the speculative tokens in float32: [k, H] for spec_ids [k], [N, k, H] for
+    [N, k]. Gather once per token; every checked layer reuses them. A quantized head gives its
     dequantized rows, so these logits are the ones its full product gives."""
-    return model.head.rows(spec_ids).to(model.dtype)
+    return model.head.rows(spec_ids).float()
+
+
+def final_norm_f32(model, h: torch.Tensor) -> torch.Tensor:
+    """The model's final norm computed in float32."""
+    return F.rms_norm(h.float(), (model.cfg.hidden_size,), model.final_norm_f32, model.cfg.rms_norm_eps)
 
 
 def spec_logits(model, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The spec tokens' logits under the final norm: h [N, H], rows [k, H] or [N, k, H] -> [N, k]."""
-    x = model.norm(h)
+    x = final_norm_f32(model, h)
     if rows.dim() == 2:
         return x @ rows.T
     return torch.bmm(rows, x.unsqueeze(-1)).squeeze(-1)
@@ -45,7 +55,7 @@ def spec_logits(model, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def exit_features(model, h_prev: torch.Tensor, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """[N, 3k] features for hidden states h_prev, h [N, H]; rows [k, H] (shared) or [N, k, H]."""
-    x = model.norm(torch.stack([h_prev, h]))  # [2, N, H]: one norm call for both
+    x = final_norm_f32(model, torch.stack([h_prev, h]))  # [2, N, H]: one norm call for both
     if rows.dim() == 2:
         logits = x @ rows.T  # [2, N, k]
     else:

@@ -8,8 +8,6 @@ where its layer has a finite threshold, and never on the last layer (nothing to 
 from __future__ import annotations
 
 import math
-from collections import deque
-
 
 class TwoLevelScheduler:
     def __init__(self, num_layers: int, offline_layers: list[int], thresholds: list[float],
@@ -23,8 +21,8 @@ class TwoLevelScheduler:
             if not 0 <= layer < num_layers:
                 raise ValueError(f"offline layer {layer} outside 0..{num_layers - 1}")
             self.offline[layer] = self.usable[layer]
-        self.radius = online_radius
-        self.recent: deque[int] = deque(maxlen=online_window)
+        self.radius, self.window = online_radius, online_window
+        self.exits: list[int] = []  # exit layer of every token so far (a rollback forgets some)
         self._mask = list(self.offline)
 
     @property
@@ -32,7 +30,8 @@ class TwoLevelScheduler:
         return [i for i, on in enumerate(self.offline) if on]
 
     def online_layers(self) -> list[int]:
-        return sorted({j for e in self.recent for j in range(e - self.radius, e + self.radius + 1)
+        recent = self.exits[-self.window:] if self.window else []
+        return sorted({j for e in recent for j in range(e - self.radius, e + self.radius + 1)
                        if 0 <= j < self.num_layers and self.usable[j]})
 
     def layers(self) -> list[bool]:
@@ -41,9 +40,18 @@ class TwoLevelScheduler:
 
     def record(self, exit_layer: int) -> None:
         """The layer the last token left at (num_layers - 1 for a full-depth token)."""
-        if self.recent.maxlen == 0:
+        self.exits.append(exit_layer)
+        self._update()
+
+    def forget_last(self, count: int) -> None:
+        """Drop the last `count` tokens' exit layers (a lossless rollback discarded them)."""
+        if count:
+            del self.exits[-count:]
+            self._update()
+
+    def _update(self) -> None:
+        if not self.window:
             return
-        self.recent.append(exit_layer)
         mask = list(self.offline)
         for j in self.online_layers():
             mask[j] = True

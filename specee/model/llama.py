@@ -36,8 +36,9 @@ class StepInputs:
     """What every layer of one forward step shares, computed once per step (not per layer).
 
     slots: cache slots the rows write, [S]; cos/sin: RoPE rows, [B, S, 1, D] (sin signed, see rope.py);
-    mask: which cache slots each row may read, [B, 1, S, kv_len] (None = all of them);
-    kv_len: how many cache slots attention reads.
+    mask: which cache slots each row may read, [B, 1, S, kv_len] (None = all of them, or causal);
+    kv_len: how many cache slots attention reads; causal: rows are slots 0..S-1 of an unpadded
+    sequence (S == kv_len), so attention needs no mask and keeps the fused kernels.
     """
 
     slots: torch.Tensor
@@ -45,6 +46,7 @@ class StepInputs:
     sin: torch.Tensor
     mask: torch.Tensor | None
     kv_len: int
+    causal: bool = False
 
 
 class Transformer:
@@ -90,6 +92,7 @@ class Transformer:
                 down=linear([(p + "mlp.down_proj.weight", H, I)]),
             ))
         self.final_norm = get("model.norm.weight", (H,))
+        self.final_norm_f32 = self.final_norm.float()  # the exit features' norm runs in float32
         if cfg.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
             self.head: Linear = linear_from_parts([embedding], None, quantization, device, dtype, keep_rows=True)
@@ -102,6 +105,9 @@ class Transformer:
         self.cos_table, self.sin_table = cos, signed_sin(sin)
         # slot / position indices 0..context-1, made once: decode steps slice it instead of allocating
         self.slot_ids = torch.arange(cfg.max_position_embeddings, device=device)
+        # CUDA's fused attention kernels take no mask together with grouped KV heads (it falls back to
+        # the math kernel, scores materialised): where a mask is needed there, KV heads are expanded
+        self.expand_kv_for_mask = device.type == "cuda"
 
     @classmethod
     def load(cls, source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -144,9 +150,10 @@ class Transformer:
         end = start + count
         slots = self.slot_ids[start:end]
         D = self.cfg.head_dim
-        mask = None if count == 1 else (self.slot_ids[:end][None, :] <= slots[:, None]).view(1, 1, count, end)
+        causal = start == 0 and count > 1
+        mask = None if count == 1 or causal else (self.slot_ids[:end][None, :] <= slots[:, None]).view(1, 1, count, end)
         return StepInputs(slots=slots, cos=self.cos_table[start:end].view(1, count, 1, D),
-                          sin=self.sin_table[start:end].view(1, count, 1, D), mask=mask, kv_len=end)
+                          sin=self.sin_table[start:end].view(1, count, 1, D), mask=mask, kv_len=end, causal=causal)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embedding)
@@ -165,13 +172,19 @@ class Transformer:
         k_cache, v_cache = cache.k[i], cache.v[i]
         k_cache.index_copy_(2, step.slots, k)
         v_cache.index_copy_(2, step.slots, v)
-        attn = F.scaled_dot_product_attention(
-            q, k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len],
-            attn_mask=step.mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads)
+        attn = self.attention(q, k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len], step)
         h = h + w.o(attn.transpose(1, 2).reshape(B, S, cfg.num_heads * D))
         x = F.rms_norm(h, (cfg.hidden_size,), w.mlp_norm, cfg.rms_norm_eps)
         gate, up = w.gate_up(x).chunk(2, dim=-1)
         return h + w.down(F.silu(gate) * up)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """q [B, heads, S, D] over the cache's k, v [B, kv_heads, kv_len, D]."""
+        gqa = self.cfg.num_kv_heads != self.cfg.num_heads
+        if gqa and step.mask is not None and self.expand_kv_for_mask:
+            groups = self.cfg.num_heads // self.cfg.num_kv_heads
+            k, v, gqa = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.causal, enable_gqa=gqa)
 
     def project_kv(self, i: int, h: torch.Tensor, step: StepInputs, cache: KVCache) -> None:
         """Write layer i's K/V for rows h without running the layer (CALM-style propagation)."""

@@ -12,11 +12,14 @@ so the runtime calls them without knowing the format.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    import gguf
 
 MODES = ("int4", "int8", "auto")  # auto: each GGUF tensor's nearest native format, float stays float
 INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K groups are 32 weights: one repack for both sources
@@ -224,7 +227,7 @@ class GGUFWeight:
     """A GGUF tensor kept as its raw blocks: `data` is what gguf.GGUFReader gives (rows along dim 0:
     uint8 [N, bytes per row] for quantized types), `shape` the weight's (N, K)."""
 
-    qtype: "gguf.GGMLQuantizationType"  # noqa: F821
+    qtype: gguf.GGMLQuantizationType
     data: np.ndarray
 
     @property

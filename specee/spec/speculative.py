@@ -13,12 +13,12 @@ Greedy output equals full-depth greedy; sampled output has the target's distribu
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from ..clock import StageTimer, device_time
 from ..drafters.base import Drafter
 from ..engine.full_depth import check_fits
 from ..engine.sequence import Sequence
@@ -109,14 +109,15 @@ class SpeculativeDecoder:
         self.generator = params.make_generator(model.device)
         self.stats = SpecStats(self.num_tokens if self.grower is None else self.grower.shape.depth)
         P = len(seq.prompt_ids)
-        t0 = time.perf_counter()
+        t0 = device_time(model.device)
         h, feats = forward_rows(model, torch.tensor([seq.prompt_ids], device=model.device),
                                 model.range_inputs(0, P), self.cache, drafter.feature_layers)
         self.cache.length = P
         last = sample(model.logits(h[:, -1]), params, self.generator)  # [1]: x_n, the next row
         first = int(last)
         drafter.begin(seq.prompt_ids + [first], feats)
-        t1 = time.perf_counter()
+        t1 = device_time(model.device)
+        timer = self.timer = StageTimer(model.device)
         try:
             self.emit([first])
             yield
@@ -125,7 +126,8 @@ class SpeculativeDecoder:
                 yield
         finally:  # also when the caller stops early (a closed stream)
             seq.stats.prefill_seconds = t1 - t0
-            seq.stats.decode_seconds = time.perf_counter() - t1
+            seq.stats.decode_seconds = device_time(model.device) - t1
+            self.stats.draft_seconds = timer.seconds("draft")
             seq.stats.decode_tokens = max(len(seq.output_ids) - 1, 0)  # the first token came from the prefill
             seq.stats.speculative = {"method": self.method, "num_speculative_tokens": self.num_tokens,
                                      "tree": None if self.grower is None else vars(self.grower.shape),
@@ -137,13 +139,13 @@ class SpeculativeDecoder:
         model, params, cache, drafter = self.model, self.seq.params, self.cache, self.drafter
         n = cache.length
         room = params.max_tokens - len(self.seq.output_ids) - 1  # drafts beyond this could not be emitted
-        t = time.perf_counter()
+        t = self.timer.start()
         tree = None
         if self.grower is not None and room >= self.grower.shape.depth:
             tree = self.grower.grow(last, drafter)
         if tree is None:
             draft = drafter.draft(min(self.num_tokens, room), params, self.generator, self.width)
-        self.stats.draft_seconds += time.perf_counter() - t
+        self.timer.stop("draft", t)
 
         if tree is not None:
             h, feats = forward_rows(model, tree.tokens[None, :], tree_inputs(model, tree, n), cache,

@@ -1,0 +1,96 @@
+"""One generation, timed: the `Run` record, the configuration a run is of (`ConfigSpec`), and
+the runners for specee's own `generate` and transformers' `generate` (see speed.py for how the
+runs are scheduled and aggregated)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .common import BenchError, sync
+
+
+@dataclass
+class Run:
+    tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    early_exit: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None
+
+
+@dataclass
+class ConfigSpec:
+    name: str
+    label: str
+    kind: str  # "hf" | "full" | "early_exit" | "speculative" | "hf_assisted" (bench/speculative.py) | "llama_cpp"
+    config: Any = None  # EarlyExitConfig for kind == "early_exit"
+
+
+def specee_run(llm, ids: list[int], max_new_tokens: int) -> Run:
+    from ..sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_new_tokens, ignore_eos=True)
+    out = llm.generate(ids, params)[0]
+    s = out.stats
+    return Run(len(out.token_ids), s.prefill_seconds, s.decode_seconds, s.decode_tokens, list(out.token_ids),
+               s.early_exit, s.speculative)
+
+
+def load_hf_model(model_dir, device, dtype):
+    """transformers' AutoModelForCausalLM in the same dtype, on the same device."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:  # pragma: no cover - transformers is a test dependency
+        raise BenchError("the transformers baseline needs `pip install transformers` (or pass --no-hf)") from e
+    path = Path(model_dir)
+    if path.suffix.lower() == ".gguf":  # transformers dequantizes the same file
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    # Decode exactly N tokens the way specee's ignore_eos does: EOS may be chosen and decoding
+    # goes on. (min_new_tokens would instead forbid EOS, changing the greedy stream wherever EOS
+    # is the top token; transformers refills an unset eos_token_id from these two configs.)
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    return model.to(device).eval()
+
+
+def hf_run(model, ids: list[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
+           extra: dict[str, Any] | None = None) -> Run:
+    """extra: more `generate` arguments (assisted generation: prompt_lookup_num_tokens, assistant_model)."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.streamers import BaseStreamer
+
+    device = model.device
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value):  # first call: the prompt; then one call per generated token
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    clock = Clock()
+    eos = list(eos_ids)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
+                           eos_token_id=None, pad_token_id=(eos[0] if eos else 0))
+    input_ids = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             generation_config=gen, streamer=clock, **(extra or {}))
+        sync(device)
+        t1 = time.perf_counter()
+    new = out[0, len(ids):].tolist()
+    first = clock.times[1] if len(clock.times) > 1 else t1
+    return Run(len(new), first - t0, t1 - first, max(len(new) - 1, 0), new, None)

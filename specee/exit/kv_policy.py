@@ -1,0 +1,121 @@
+"""What happens to the KV cache of the layers an exited token skipped: one strategy per policy.
+
+A token that exits after layer e has no K/V at layers e+1..L-1; later tokens read those
+layers. The three answers (see ../shared/notes/early-exit-kv.md):
+
+- SkipKV: leave the holes; deeper layers attend only to the slots they hold.
+- PropagateKV: write the skipped layers' K/V from the exit hidden state (CALM).
+- RecomputeKV: carry the exited rows' remaining layers along as extra rows of the next
+  step's forward, so every K/V entry equals the full model's before anyone reads it (the
+  basis of lossless mode: a carried row that completes the last layer verifies its token).
+
+The decode loop (engine/early_exit.py) calls the same hooks whatever the policy; each
+policy also keeps the cache's per-layer fill state (`cache.filled`) true.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..model.kv_cache import KVCache
+from ..model.llama import StepInputs, Transformer
+
+
+@dataclass
+class Pending:
+    """A row that still owes layers resume..L-1 (recompute policy)."""
+
+    slot: int
+    resume: int
+    hidden: torch.Tensor  # [1, 1, H]: its output of layer resume-1
+
+
+class KVPolicy:
+    """The hooks a step calls; the defaults are those of a policy with no holes and no carried rows."""
+
+    name: ClassVar[str]
+
+    def __init__(self, model: Transformer, cache: KVCache):
+        self.model, self.cache, self.num_layers = model, cache, model.cfg.num_layers
+        self.pending: list[Pending] = []  # carried rows (recompute only)
+
+    def begin_step(self, n: int) -> list[Pending]:
+        """A step feeds the token at slot n; returns the carried rows that join it, by resume layer."""
+        return []
+
+    def layer_inputs(self, layer: int, step_in: StepInputs, n: int) -> StepInputs:
+        """The inputs layer `layer` attends with (skip: only the slots that layer holds)."""
+        return step_in
+
+    def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
+        """The rows at `active` slots left after layer e (h: their hidden states [1, rows, H])."""
+        self.cache.filled[:, 0, active[-1]] = True
+
+    def after_full_depth(self, active: list[int]) -> None:
+        """The rows at `active` slots ran every layer."""
+        self.cache.filled[:, 0, active[0]:active[-1] + 1] = True
+
+    def truncate(self, length: int) -> None:
+        """Forget everything at or past slot `length` (a lossless rollback)."""
+        self.cache.truncate(length)
+        self.pending = [p for p in self.pending if p.slot < length]
+
+
+class SkipKV(KVPolicy):
+    name = "skip"
+
+    def begin_step(self, n: int) -> list[Pending]:
+        self.cache.filled[:, 0, n] = True  # own slot readable; unmarked past the exit
+        return []
+
+    def layer_inputs(self, layer: int, step_in: StepInputs, n: int) -> StepInputs:
+        step_in.mask = self.cache.filled[layer, :, None, None, : n + 1]
+        return step_in
+
+    def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
+        self.cache.filled[e + 1:, 0, active[-1]] = False
+
+    def after_full_depth(self, active: list[int]) -> None:
+        pass  # begin_step marked every layer
+
+
+class PropagateKV(KVPolicy):
+    name = "propagate"
+
+    def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
+        for j in range(e + 1, self.num_layers):
+            self.model.project_kv(j, h, step_in, self.cache)
+        self.cache.filled[:, 0, active[-1]] = True
+
+
+class RecomputeKV(KVPolicy):
+    name = "recompute"
+
+    def begin_step(self, n: int) -> list[Pending]:
+        return sorted(self.pending, key=lambda p: (p.resume, p.slot))
+
+    def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
+        """Every row of this step resumes at e + 1 in a later step."""
+        self.cache.filled[: e + 1, 0, active[0]:active[-1] + 1] = True
+        carried = [Pending(slot, e + 1, h[:, j:j + 1]) for j, slot in enumerate(active)]
+        self.pending = [p for p in self.pending if p.slot not in active] + carried
+
+    def after_full_depth(self, active: list[int]) -> None:
+        """Every carried row joined (resume layers are <= L-1) and completed."""
+        self.pending = []
+        super().after_full_depth(active)
+
+
+POLICY_CLASSES: dict[str, type[KVPolicy]] = {p.name: p for p in (SkipKV, PropagateKV, RecomputeKV)}
+
+
+def join_rows(waiting: list[Pending], layer: int, h: torch.Tensor | None,
+              active: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Prepend the carried rows that resume at `layer` (older slots first, so slot order holds)."""
+    group = []
+    while waiting and waiting[0].resume == layer:
+        group.append(waiting.pop(0))
+    parts = [p.hidden for p in group] + ([] if h is None else [h])
+    return torch.cat(parts, dim=1), [p.slot for p in group] + active
