@@ -1,7 +1,7 @@
 """Sampling parameters (shaped like vLLM's) and the token choice from logits."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -72,3 +72,26 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     if not isinstance(generators, list):
         return torch.multinomial(probs, 1, generator=generators).squeeze(-1)
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Next token per row, [B], when each row (request) has its own SamplingParams: rows that share
+    their parameters but for the seed are filtered together, each draws from its own generator."""
+    first = params[0]
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1)
+    if all(p == first for p in params[1:]) or all(_unseeded(p) == _unseeded(first) for p in params[1:]):
+        return sample(logits, first, generators)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    groups: dict[SamplingParams, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault(_unseeded(p), []).append(row)
+    for p, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        tokens[index] = sample(logits[index], p, [generators[r] for r in rows])
+    return tokens
+
+
+def _unseeded(params: SamplingParams) -> SamplingParams:
+    return replace(params, seed=None)

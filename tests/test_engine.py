@@ -31,20 +31,21 @@ def batches(llm, monkeypatch):
     return seen
 
 
-def test_step_batches_compatible_requests_and_reports_each_finish_once(llm, batches):
+def test_full_depth_batches_requests_with_their_own_parameters(llm, batches):
     a = SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True)
-    seqs = [sequence(llm, "one", a), sequence(llm, "two", dataclasses.replace(a, max_tokens=7)),
-            sequence(llm, "three", dataclasses.replace(a, seed=5))]
+    seqs = [sequence(llm, "one", a), sequence(llm, "two", dataclasses.replace(a, max_tokens=7, top_k=5)),
+            sequence(llm, "three", SamplingParams(max_tokens=5, ignore_eos=True)),  # greedy
+            sequence(llm, "four", dataclasses.replace(a, seed=5, top_p=0.9))]
     for s in seqs:
         llm.engine.add_request(s)
     finished, steps = [], 0
     while llm.engine.has_unfinished():
         finished += llm.engine.step()
         steps += 1
-    assert batches == [["one", "three"], ["two"]]  # arrival order; "two" differs in more than the seed
-    assert [s.prompt for s in finished] == ["one", "three", "two"] and len(set(map(id, finished))) == 3
-    assert steps == 4 + 7  # one step per token of each batch
-    assert [len(s.output_ids) for s in seqs] == [4, 7, 4]
+    assert batches == [["one", "two", "three", "four"]]
+    assert [s.prompt for s in finished] == ["one", "four", "three", "two"]  # each reported once, when done
+    assert steps == 7  # one step per token of the longest request
+    assert [len(s.output_ids) for s in seqs] == [4, 7, 5, 4]
     alone = [llm.generate(s.prompt, s.params)[0].token_ids for s in seqs]
     assert [s.output_ids for s in seqs] == alone
 
@@ -64,8 +65,8 @@ def test_abort_drops_a_waiting_request_and_stops_a_running_batch(llm):
     params = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.5)
     running, waiting = sequence(llm, "one", params), sequence(llm, "two", dataclasses.replace(params, top_k=3))
     llm.engine.add_request(running)
-    llm.engine.add_request(waiting)
     llm.engine.step()
+    llm.engine.add_request(waiting)  # a running batch takes no newcomers: it waits
     llm.engine.step()
     llm.engine.abort(waiting)
     llm.engine.abort(running)

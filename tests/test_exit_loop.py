@@ -167,7 +167,7 @@ def test_lossless_sampling_preserves_the_joint_distribution_of_two_positions(tin
     assert tv < 0.06, f"TV(empirical, joint) = {tv:.3f}"  # sampling noise over <= 9 pairs ~0.03
 
 
-def test_requests_differing_only_in_seed_share_a_batch(tiny, monkeypatch):
+def test_requests_with_different_sampling_parameters_share_a_batch(tiny, monkeypatch):
     import specee.engine.llm as llm_module
 
     batches = []
@@ -180,8 +180,10 @@ def test_requests_differing_only_in_seed_share_a_batch(tiny, monkeypatch):
     alone = [tiny.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
     assert together == alone
     batches.clear()
-    tiny.generate(prompts[:2], [params[0], dataclasses.replace(params[1], temperature=0.5)])
-    assert batches == [1, 1]
+    mixed = [params[0], dataclasses.replace(params[1], temperature=0.5, top_k=4), SamplingParams(max_tokens=6)]
+    together = [o.token_ids for o in tiny.generate(prompts, mixed)]
+    assert batches == [3]
+    assert together == [tiny.generate(p, sp)[0].token_ids for p, sp in zip(prompts, mixed)]
 
 
 @torch.inference_mode()

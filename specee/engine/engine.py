@@ -3,7 +3,7 @@
 `add_request` queues a Sequence; `step()` advances the running batch by one decode step (a
 full-depth step of every row, one early-exit token, or one draft-verify round) and returns
 the sequences that finished in it. The scheduler forms a batch when nothing runs: full depth
-takes every waiting request whose SamplingParams differ at most in the seed; early exit and
+takes every waiting request (each row keeps its own SamplingParams); early exit and
 speculative decoding decide per token and take one request at a time. `LLM.generate` and
 `LLM.stream` are loops over `step()` in the caller's thread.
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import replace
-
 from .sequence import Sequence
 
 
@@ -23,13 +21,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
 
     def next_batch(self, batched: bool) -> list[Sequence]:
-        """The oldest request, and with `batched` every waiting one that may share its batch."""
-        first = self.waiting.popleft()
+        """The oldest request alone, or with `batched` every waiting one."""
         if not batched:
-            return [first]
-        key = replace(first.params, seed=None)
-        batch = [first] + [s for s in self.waiting if replace(s.params, seed=None) == key]
-        self.waiting = deque(s for s in self.waiting if s not in batch)
+            return [self.waiting.popleft()]
+        batch, self.waiting = list(self.waiting), deque()
         return batch
 
 

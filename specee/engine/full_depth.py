@@ -5,7 +5,6 @@ cache, so no row ever attends to them, and RoPE positions start at 0 for every p
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from collections.abc import Iterator
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from ..clock import device_time
 from ..model.kv_cache import KVCache
 from ..model.llama import StepInputs, Transformer
-from ..sampling import sample
+from ..sampling import sample_rows
 from .sequence import Sequence
 
 
@@ -71,14 +70,12 @@ def decode_step(model: Transformer, cache: KVCache, tokens: torch.Tensor, positi
 @torch.inference_mode()
 def decode_full_depth(model: Transformer, seqs: list[Sequence]) -> Iterator[None]:
     """Greedy or sampled decoding at full depth, one token per sequence per step; yields after each
-    step (the caller reads the sequences: streaming needs no thread). Their SamplingParams may
-    differ only in the seed."""
-    params = seqs[0].params
-    assert all(replace(s.params, seed=None) == replace(params, seed=None) for s in seqs), \
-        "one SamplingParams (but for the seed) per batch"
+    step (the caller reads the sequences: streaming needs no thread). Each sequence keeps its own
+    SamplingParams (filters, seed, limits, stop strings); finished rows ride along until all are done."""
+    params = [s.params for s in seqs]
     for s in seqs:
-        check_fits(model, len(s.prompt_ids), params.max_tokens)
-    cache = model.new_cache(len(seqs), max(len(s.prompt_ids) for s in seqs) + params.max_tokens)
+        check_fits(model, len(s.prompt_ids), s.params.max_tokens)
+    cache = model.new_cache(len(seqs), max(len(s.prompt_ids) for s in seqs) + max(p.max_tokens for p in params))
     generators = [s.params.make_generator(model.device) for s in seqs]  # per request, as vLLM seeds
     positions = torch.tensor([len(s.prompt_ids) for s in seqs], device=model.device)
 
@@ -87,7 +84,7 @@ def decode_full_depth(model: Transformer, seqs: list[Sequence]) -> Iterator[None
     t1 = device_time(model.device)
     try:
         while True:
-            tokens = sample(model.logits(h), params, generators)
+            tokens = sample_rows(model.logits(h), params, generators)
             for seq, token in zip(seqs, tokens.tolist()):
                 if not seq.finished:
                     seq.append(token)

@@ -174,8 +174,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
-        """Generate for one prompt or a batch; prompts whose SamplingParams differ only in the seed
-        are decoded together (each request draws from its own generator)."""
+        """Generate for one prompt or a batch (one SamplingParams, or one per prompt); at full depth
+        the prompts are decoded as one batch, each request with its own parameters and generator."""
         seqs = self._sequences(prompts, sampling_params, chat)
         for s in seqs:
             self.engine.add_request(s)
@@ -207,7 +207,7 @@ class LLM:
         return self.early_exit.teacher_forced(seq, continuation)
 
     def _decode(self, seqs: list[Sequence]) -> Iterator[None]:
-        """The decoder this LLM is configured with, stepped over `seqs` (SamplingParams equal but for the seed)."""
+        """The decoder this LLM is configured with, stepped over `seqs`."""
         if self.early_exit is None and self.speculative is None:
             yield from decode_full_depth(self.model, seqs)
             return
