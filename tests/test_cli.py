@@ -252,3 +252,26 @@ def test_generate_defaults_to_the_fastest_measured_weights():
     assert mode("generate", "--prompt", "x", "--quantization", "int8", "--device", "cuda") == "int8"
     assert mode("bench", "speed", "--draft", "ngram") is None
     assert mode("bench", "speed", "--draft", "ngram", "--quantization", "int4") == "int4"
+
+
+@needs_stories
+@pytest.mark.parametrize("mean_layers, warned", [(4.8, True), (3.0, False)])
+def test_generate_says_when_early_exit_cannot_pay(capsys, tmp_path, stories_llm, mean_layers, warned):
+    """The note comes from the bank's calibrated depth: under 20% of layers saved it says so, and
+    decoding goes on either way."""
+    import math
+
+    import torch
+
+    from specee.exit.bank import PredictorBank
+
+    L, k = stories_llm.model.cfg.num_layers, 4
+    bank = PredictorBank(torch.zeros(L, 3 * k, 4), torch.zeros(L, 4), torch.zeros(L, 4), torch.zeros(L),
+                         [math.inf] * L, [], k, stories_llm.fingerprint, "ngram-n3",
+                         summary={"num_layers": L, "cross_validated": {"mean_exit_layer": mean_layers}})
+    bank.save(tmp_path / "bank")
+    code, out, err = run(capsys, "generate", "--model", str(STORIES), "--no-chat", "--draft", "ngram", "--bank",
+                         str(tmp_path / "bank"), "--prompt", "Once upon a time", "--max-new-tokens", "4")
+    assert code == 0 and out.strip()
+    saved = round(100 * (1 - mean_layers / L))
+    assert (f"expected to skip {saved}% of the layers" in err) == warned

@@ -228,8 +228,28 @@ def load_llm(args: argparse.Namespace):
               speculative_config=speculative)
     if args.quantization:
         note(f"{quantization or 'float'} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
+    if llm.early_exit is not None and (warning := exit_room_note(llm.early_exit.bank.summary)):
+        note(warning)
     return llm
 
+
+# Below this share of layers saved, early exit has not paid on any model measured (BENCHMARKS.md: the
+# reference pair saves 14% and runs at 0.86x of full depth, SmolLM2 3% at 0.98x, Qwen 1.5B 2% at 0.94x).
+EXIT_PAYS_FROM = 0.20
+
+
+def exit_room_note(summary: dict) -> str | None:
+    """What calibration predicts early exit saves, when that is too little to pay for its drafter and predictors."""
+    layers = summary.get("num_layers")
+    mean = (summary.get("cross_validated") or {}).get("mean_exit_layer", summary.get("mean_exit_layer"))
+    if not layers or mean is None:
+        return None
+    saved = 1.0 - mean / layers
+    if saved >= EXIT_PAYS_FROM:
+        return None
+    return (f"early exit is expected to skip {saved:.0%} of the layers on this model (calibration: {mean:.1f} of "
+            f"{layers} run); below {EXIT_PAYS_FROM:.0%} it has been slower than full depth on every model measured, "
+            f"because the drafter and predictors cost more. `specee bench speed` measures it here")
 
 def stats_line(stats) -> str:
     line = (f"{stats.generated_tokens} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s; "
