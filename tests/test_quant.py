@@ -177,3 +177,17 @@ def test_resident_weight_bytes_shrink():
 def test_int8_refuses_an_input_dim_its_kernel_gets_wrong():
     with pytest.raises(ValueError, match="multiple of 16"):
         Int8Linear.from_float(torch.randn(32, 172))
+
+
+def test_bank_cache_key_names_quantization_only_when_weights_are_quantized(tmp_path, monkeypatch):
+    """`auto` on float weights runs float: it shares the float bank; int4 weights move the features."""
+    from specee import LLM
+    from specee.drafters.ngram import NGramDrafter
+
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path))
+    path = real_model_dir("ref-target-24L")
+    keys = {}
+    for q in (None, "auto", "int4"):
+        llm = LLM(path, quantization=q, progress=False)
+        keys[q] = llm.bank_cache_path(NGramDrafter(4, llm.model.cfg.vocab_size, llm.model.device), 4).name
+    assert keys["auto"] == keys[None] and keys["int4"] != keys[None] and "-int4-" in keys["int4"]

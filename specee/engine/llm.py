@@ -14,6 +14,7 @@ from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NGramDrafter
 from ..exit.bank import PredictorBank
 from ..model.llama import Transformer
+from ..model.quant import FloatLinear
 from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
@@ -128,7 +129,8 @@ class LLM:
         """Where the bank for this target + drafter + k + dtype is cached; the suffix names the
         calibration recipe, so banks cached by an older recipe are not reused."""
         dtype = str(self.model.dtype).removeprefix("torch.")
-        quant = f"-{self.quantization}" if self.quantization else ""  # quantized weights move the features
+        quantized = not all(isinstance(w.qkv, FloatLinear) for w in self.model.layers)  # "auto" on float weights is float
+        quant = f"-{self.quantization}" if quantized else ""  # quantized weights move the features
         return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{dtype}{quant}-{BANK_RECIPE}"
 
     def cached_bank(self, drafter: Drafter, k: int) -> PredictorBank:
