@@ -74,24 +74,26 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Next token per row, [B], when each row (request) has its own SamplingParams: rows that share
-    their parameters but for the seed are filtered together, each draws from its own generator."""
-    first = params[0]
-    if all(p.greedy for p in params):
-        return logits.argmax(dim=-1)
-    if all(p == first for p in params[1:]) or all(_unseeded(p) == _unseeded(first) for p in params[1:]):
-        return sample(logits, first, generators)
-    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    groups: dict[SamplingParams, list[int]] = {}
-    for row, p in enumerate(params):
-        groups.setdefault(_unseeded(p), []).append(row)
-    for p, rows in groups.items():
-        index = torch.tensor(rows, device=logits.device)
-        tokens[index] = sample(logits[index], p, [generators[r] for r in rows])
-    return tokens
+class RowSampler:
+    """Next token per row of a batch whose rows (requests) each have their own SamplingParams.
+    Rows that share their parameters but for the seed are filtered together; each row draws from
+    its own generator. The grouping is made once per batch, not per step."""
 
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device):
+        self.generators = generators
+        groups: dict[SamplingParams, list[int]] = {}
+        for row, p in enumerate(params):
+            groups.setdefault(replace(p, seed=None), []).append(row)
+        self.greedy = all(p.greedy for p in groups)
+        self.groups = [(p, torch.tensor(rows, device=device), [generators[r] for r in rows])
+                       for p, rows in groups.items()]
 
-def _unseeded(params: SamplingParams) -> SamplingParams:
-    return replace(params, seed=None)
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        if len(self.groups) == 1:
+            return sample(logits, self.groups[0][0], self.generators)
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        for p, index, generators in self.groups:
+            tokens[index] = sample(logits[index], p, generators)
+        return tokens

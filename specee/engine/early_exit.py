@@ -20,7 +20,7 @@ from ..drafters.base import Drafter
 from ..exit.bank import PredictorBank
 from ..exit.controller import ExitController, ExitHit
 from ..exit.kv_policy import POLICY_CLASSES, join_rows
-from ..exit.lossless import LosslessVerifier, Unverified
+from ..exit.lossless import LosslessVerifier
 from ..exit.scheduler import TwoLevelScheduler
 from ..exit.stats import ExitStats
 from ..model.llama import Transformer
@@ -168,7 +168,7 @@ class DecodeRun:
         self.stats.exit_histogram[exit_layer] += 1
         self.scheduler.record(exit_layer)
         if self.verifier is not None and exit_layer < self.num_layers - 1:
-            self.verifier.unverified.append(Unverified(token, exit_layer, draft_probs))
+            self.verifier.hold(token, exit_layer, draft_probs)
         else:
             self.seq.append(token)
 
@@ -268,7 +268,7 @@ class DecodeRun:
 
     def emit_exit(self, hit: ExitHit) -> None:
         """The token chosen at the exit layer: its argmax (greedy) or a draw from its distribution."""
-        token, ids, draft_probs = hit.token, None, None
+        token, ids, draft_probs = hit.token, hit.ids, None
         if not self.params.greedy:
             draft_probs = probabilities(hit.logits, self.params)
             ids = torch.multinomial(draft_probs, 1, generator=self.generator)

@@ -12,7 +12,7 @@ import torch
 from ..clock import device_time
 from ..model.kv_cache import KVCache
 from ..model.llama import StepInputs, Transformer
-from ..sampling import sample_rows
+from ..sampling import RowSampler
 from .sequence import Sequence
 
 
@@ -76,7 +76,7 @@ def decode_full_depth(model: Transformer, seqs: list[Sequence]) -> Iterator[None
     for s in seqs:
         check_fits(model, len(s.prompt_ids), s.params.max_tokens)
     cache = model.new_cache(len(seqs), max(len(s.prompt_ids) for s in seqs) + max(p.max_tokens for p in params))
-    generators = [s.params.make_generator(model.device) for s in seqs]  # per request, as vLLM seeds
+    sampler = RowSampler(params, [p.make_generator(model.device) for p in params], model.device)  # per request, as vLLM seeds
     positions = torch.tensor([len(s.prompt_ids) for s in seqs], device=model.device)
 
     t0 = device_time(model.device)
@@ -84,7 +84,7 @@ def decode_full_depth(model: Transformer, seqs: list[Sequence]) -> Iterator[None
     t1 = device_time(model.device)
     try:
         while True:
-            tokens = sample_rows(model.logits(h), params, generators)
+            tokens = sampler(model.logits(h))
             for seq, token in zip(seqs, tokens.tolist()):
                 if not seq.finished:
                     seq.append(token)

@@ -27,6 +27,7 @@ from .scheduler import TwoLevelScheduler
 class ExitHit:
     layer: int
     token: int  # the layer's argmax (one of the speculative tokens)
+    ids: torch.Tensor  # the same, [1], on the device: the next step's input without a host-to-device copy
     logits: torch.Tensor  # [1, V] at that layer: the draft distribution for sampling and lossless
 
 
@@ -69,7 +70,7 @@ class ExitController:
         if not among:
             self.rejected += 1
             return None
-        return ExitHit(layer, token, logits)
+        return ExitHit(layer, token, choice, logits)
 
 
 class ForcedExits(ExitController):

@@ -35,6 +35,10 @@ class LosslessVerifier:
         self.run = run
         self.unverified: list[Unverified] = []
 
+    def hold(self, token: int, exit_layer: int, draft_probs: torch.Tensor | None) -> None:
+        """An exited token, emitted but not yet checked against the full model."""
+        self.unverified.append(Unverified(token, exit_layer, draft_probs))
+
     def verify(self, slots: list[int], final_logits: torch.Tensor, at_bound: bool) -> bool:
         """Check the unverified tokens that the completed rows at `slots` predicted (row at slot s
         predicts history[s + 1]); roll back at the first mismatch. Returns False if it rolled back
