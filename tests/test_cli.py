@@ -86,6 +86,14 @@ def test_generate_prompt_from_stdin(capsys, monkeypatch, stories_llm):
     assert out == stories_llm.generate(PROMPT, SamplingParams(max_tokens=8))[0].text + "\n"
 
 
+@pytest.mark.parametrize("prompt, stdin", [("", ""), ("  \n", ""), ("-", "\n")])
+def test_empty_prompt_is_refused_before_loading(capsys, monkeypatch, prompt, stdin):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code, out, err = run(capsys, "generate", "--model", "/nonexistent/model", "--prompt", prompt)
+    assert_clean_error(code, err, "empty prompt")
+    assert out == ""
+
+
 @needs_stories
 def test_generate_stop_string_and_detailed_stats(capsys, stories_llm):
     full = stories_llm.generate(PROMPT, SamplingParams(max_tokens=40))[0].text

@@ -34,10 +34,14 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
 
 
 def read_prompt(value: str) -> str:
-    if value != "-":
-        return value
-    text = sys.stdin.read()
-    return text[:-1] if text.endswith("\n") else text  # the newline `echo` adds is not part of the prompt
+    """The prompt text; an empty one is refused (most often an unset shell variable, not a wish)."""
+    text = value
+    if value == "-":
+        text = sys.stdin.read()
+        text = text[:-1] if text.endswith("\n") else text  # the newline `echo` adds is not part of the prompt
+    if not text.strip():
+        raise CLIError("empty prompt: give the text with --prompt TEXT, or --prompt - to read it from stdin")
+    return text
 
 
 def use_chat_template(llm, no_chat: bool) -> bool:
