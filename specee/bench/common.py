@@ -124,14 +124,6 @@ def use_config(llm, config) -> None:
     llm._bench_decoder = llm.early_exit
 
 
-def sync(device) -> None:
-    """Wait for the device's queued work (CUDA), so that host timers measure it."""
-    import torch
-
-    if getattr(device, "type", str(device)).startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 # ---- statistics ----------------------------------------------------------------------------
 def median(values: Iterable[float]) -> float:
     values = list(values)

@@ -17,12 +17,11 @@ split of each early-exit run shows how close that is.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 
-from .common import sync
+from ..clock import device_time
 from .report import md_table
 
 SPEEDUPS = (1.0, 1.2, 1.5)
@@ -44,13 +43,11 @@ def layer_ms(model, prompt_ids: list[int], steps: int = 32, rounds: int = 4) -> 
     times: dict[int, list[float]] = {L: [], half: []}
     for r in range(rounds):
         for depth in ((L, half) if r % 2 == 0 else (half, L)):
-            sync(model.device)
-            t0 = time.perf_counter()
+            t0 = device_time(model.device)
             for _ in range(steps):
                 token = model.logits(decode_step(model, cache, token, positions, depth)).argmax(-1)
                 positions += 1
-            sync(model.device)
-            times[depth].append((time.perf_counter() - t0) / steps)
+            times[depth].append((device_time(model.device) - t0) / steps)
     return max(statistics.median(times[L]) - statistics.median(times[half]), 0.0) / (L - half) * 1e3
 
 

@@ -7,10 +7,10 @@ their ratios to full depth and to transformers come from one run.
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from .common import median, sync
+from ..clock import device_time
+from .common import median
 from .report import md_table
 from .timing import ConfigSpec, hf_run, load_hf_model, specee_run
 
@@ -114,11 +114,9 @@ def row_costs(model_dir, device, rows: tuple[int, ...] = (1, 2, 4, 8),
                 step = model.range_inputs(context, S)
                 samples = []
                 for _ in range(repeats + 1):
-                    sync(model.device)
-                    t = time.perf_counter()
+                    t = device_time(model.device)
                     model.logits(model.forward(tokens, step, cache))
-                    sync(model.device)
-                    samples.append(time.perf_counter() - t)
+                    samples.append(device_time(model.device) - t)
                 times.append(1000 * median(samples[1:]))
         out["ms"][name] = times
         del model, cache

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .common import BenchError, sync
+from ..clock import device_time
+from .common import BenchError
 
 
 @dataclass
@@ -85,12 +86,10 @@ def hf_run(model, ids: list[int], max_new_tokens: int, eos_ids: Sequence[int] = 
                            eos_token_id=None, pad_token_id=(eos[0] if eos else 0))
     input_ids = torch.tensor([ids], device=device)
     with torch.inference_mode():
-        sync(device)
-        t0 = time.perf_counter()
+        t0 = device_time(device)
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                              generation_config=gen, streamer=clock, **(extra or {}))
-        sync(device)
-        t1 = time.perf_counter()
+        t1 = device_time(device)
     new = out[0, len(ids):].tolist()
     first = clock.times[1] if len(clock.times) > 1 else t1
     return Run(len(new), first - t0, t1 - first, max(len(new) - 1, 0), new, None)
