@@ -111,11 +111,9 @@ class EagleHead:
         self.feature_width = len(config.feature_layers) * tc.hidden_size
         self.params = params
         # a one-layer runtime holding the head's layer: `Transformer.layer` is the code that runs it
-        self.runtime = object.__new__(Transformer)
-        self.runtime.cfg = _layer_config(tc, config)
-        self.runtime.device, self.runtime.dtype = target.device, target.dtype
-        self.runtime.layers = [_layer_weights(params, config.num_heads * config.head_dim)]
-        self.runtime.expand_kv_for_mask = target.expand_kv_for_mask  # see Transformer.attention
+        self.runtime = Transformer.layers_only(_layer_config(tc, config),
+                                               [_layer_weights(params, config.num_heads * config.head_dim)],
+                                               target.device, target.dtype)
         self.lm_head_rows = target.head.take_rows(shortlist)  # the shortlist's LM-head rows, gathered once
         self._fuse = params.get("fuse")
 

@@ -110,6 +110,16 @@ class Transformer:
         self.expand_kv_for_mask = device.type == "cuda"
 
     @classmethod
+    def layers_only(cls, cfg: ModelConfig, layers: list[LayerWeights], device: torch.device,
+                    dtype: torch.dtype) -> "Transformer":
+        """A runtime of decoder layers alone (no embedding, norm or head): what `layer` needs, for
+        modules that run their own layers through this code (the EAGLE head)."""
+        runtime = object.__new__(cls)
+        runtime.cfg, runtime.layers, runtime.device, runtime.dtype = cfg, layers, device, dtype
+        runtime.expand_kv_for_mask = device.type == "cuda"
+        return runtime
+
+    @classmethod
     def load(cls, source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              quantization: str | None = None) -> "Transformer":
         """source: a checkpoint directory (config.json + safetensors), a .gguf file, or a directory holding one.
