@@ -5,12 +5,11 @@ for perplexity."""
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from ..records import question, raw_text, read_file
 from .common import BenchError, round_robin, shared_file
 
 SPEC_BENCH = ("data", "spec_bench", "question.jsonl")
@@ -26,44 +25,26 @@ class Prompt:
     text: str
 
 
-def _record_text(rec: dict[str, Any]) -> str | None:
-    turns = rec.get("turns")
-    if isinstance(turns, list) and turns:
-        return str(turns[0])
-    for key in ("prompt", "instruction", "question", "text"):
-        value = rec.get(key)
-        if isinstance(value, str) and value:
-            if key == "instruction" and rec.get("input"):
-                return f"{value}\n\n{rec['input']}"
-            return value
-    return None
-
-
 def read_prompt_file(path: Path) -> list[Prompt]:
-    """A prompt file: JSONL (Spec-Bench / MT-Bench style `turns`, or `prompt`/`instruction`/`text`;
-    the first turn is used), a JSON list of such records, or plain text with one prompt per line."""
+    """A prompt file (read by specee.records.read_file): JSONL or a JSON list of records, each
+    giving its question (specee.records.question: Spec-Bench / MT-Bench `turns`, of which the first
+    is used, an alpaca instruction and input, `prompt` or `question`) or raw `text`; or plain text
+    with one prompt per line."""
     if not path.is_file():
         raise BenchError(f"prompt file not found: {path}")
-    raw = path.read_text(encoding="utf-8")
-    records: list[dict[str, Any]] | None = None
-    if path.suffix == ".jsonl":
-        records = [json.loads(line) for line in raw.splitlines() if line.strip()]
-    elif path.suffix == ".json":
-        data = json.loads(raw)
-        records = data if isinstance(data, list) else None
-        if records is None:
-            raise BenchError(f"{path}: expected a JSON list of prompt records")
+    try:
+        records = read_file(path)
+    except ValueError as e:  # bad JSON or encoding: a one-line error naming the file
+        raise BenchError(str(e)) from None
     out: list[Prompt] = []
-    if records is None:
-        for i, line in enumerate(l for l in raw.splitlines() if l.strip()):
-            out.append(Prompt(str(i), path.stem, line.replace("\\n", "\n")))
-        return out
     for i, rec in enumerate(records):
-        text = _record_text(rec)
+        text = question(rec) or raw_text(rec)
         if text is None:
-            raise BenchError(f"{path}: record {i} has no prompt (expected 'turns', 'prompt', 'instruction' or 'text')")
-        pid = rec.get("question_id", rec.get("id", i))
-        out.append(Prompt(str(pid), str(rec.get("category") or path.stem), text))
+            raise BenchError(f"{path}: record {i} has no prompt "
+                             "(expected 'turns', 'instruction', 'prompt', 'question' or 'text')")
+        meta = rec if isinstance(rec, dict) else {}
+        pid = meta.get("question_id", meta.get("id", i))
+        out.append(Prompt(str(pid), str(meta.get("category") or path.stem), text))
     return out
 
 
@@ -163,7 +144,7 @@ def answer_separator(llm, n_options: int) -> str:
 
 
 def load_csqa(path: Path, n: int, shots: int) -> list[MCItem]:
-    rows = [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
+    rows = read_file(path)
     items = []
     for r in rows:
         q = r["question"]

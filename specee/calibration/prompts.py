@@ -1,10 +1,11 @@
-"""Calibration prompts: reading prompt files (alpaca-style, {text} records, plain lines) and
-encoding them for the target."""
+"""Calibration prompts: the calibration data (alpaca-style, {text} records, plain lines; read by
+specee.records) as prompts, and encoding them for the target."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from ..records import data_files, question, raw_text, read_file
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _REL_CALIBRATION = Path("..") / "shared" / "data" / "calibration"
@@ -23,45 +24,33 @@ def default_calibration_dir() -> Path | None:
     return None
 
 
+def calibration_data(path: str | Path | None = None) -> Path:
+    """`path`, or the default calibration data (see `default_calibration_dir`); without either, a
+    FileNotFoundError that says where it looked, so a missing ../shared is obvious."""
+    if path is not None:
+        return Path(path)
+    found = default_calibration_dir()
+    if found is None:
+        raise FileNotFoundError(
+            f"no calibration data: {_REL_CALIBRATION} not found from the repository root ({_REPO_ROOT}) "
+            f"or the current directory ({Path.cwd()}); pass a path to a .json/.jsonl file or directory")
+    return found
+
+
 def _record_prompt(rec: Any, max_chars: int) -> str | None:
-    if isinstance(rec, str):
-        return rec[:max_chars] or None
-    if not isinstance(rec, dict):
-        return None
-    if rec.get("instruction"):
-        text = rec["instruction"].strip()
-        if (rec.get("input") or "").strip():
-            text += "\n\n" + rec["input"].strip()
-        return ChatPrompt(text)
-    for key in ("turns", "prompt", "question"):
-        v = rec.get(key)
-        if isinstance(v, list) and v:
-            v = v[0]
-        if isinstance(v, str) and v.strip():
-            return ChatPrompt(v.strip())
-    text = rec.get("text")
-    if isinstance(text, str) and text.strip():
-        text = text.strip()
-        if len(text) > max_chars:  # a raw document: its head is the prompt, cut at a space
-            cut = text.rfind(" ", 0, max_chars)
-            text = text[: cut if cut > max_chars // 2 else max_chars]
-        return text
-    return None
+    """A record's question as a `ChatPrompt`; raw text as it is, or its head (cut at a space) if long."""
+    asked = question(rec)
+    if asked:
+        return ChatPrompt(asked)
+    text = raw_text(rec)
+    if text and len(text) > max_chars:  # a raw document: its head is the prompt
+        cut = text.rfind(" ", 0, max_chars)
+        text = text[: cut if cut > max_chars // 2 else max_chars]
+    return text
 
 
 def _read_prompt_file(path: Path, max_chars: int) -> list[str]:
-    try:
-        if path.suffix == ".jsonl":
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        elif path.suffix == ".json":
-            records = json.loads(path.read_text())
-            if isinstance(records, dict):
-                records = next((v for v in records.values() if isinstance(v, list)), [])
-        else:
-            records = [line for line in path.read_text().splitlines() if line.strip()]
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read calibration prompts ({e})") from None
-    prompts = [p for p in (_record_prompt(r, max_chars) for r in records) if p]
+    prompts = [p for p in (_record_prompt(r, max_chars) for r in read_file(path)) if p]
     if not prompts:
         raise ValueError(f"{path}: no prompts found (expected alpaca-style {{instruction, input}} records, "
                          "{text} records, or lines of text)")
@@ -72,26 +61,15 @@ def load_calibration_prompts(path: str | Path | None = None, limit: int | None =
                              max_chars: int = 1500) -> list[str]:
     """Calibration prompts from a file or a directory of files (default: the shared
     calibration data, /work/shared/data/calibration, found as ../shared/data/calibration from
-    the repository root or the cwd).
+    the repository root or the cwd). Files are read by `specee.records.read_file`.
 
-    Alpaca-style records ({instruction, input}) become `ChatPrompt`s (instruction, then the
-    input after a blank line), sent through the chat template; {"text"} records (C4) are raw
-    text, cut to `max_chars`; .txt files give one prompt per line. Several files are
-    interleaved in proportion to their sizes, in file order, so `limit` keeps the mix.
+    Records that ask a question (`specee.records.question`: alpaca {instruction, input} as the
+    instruction, then the input after a blank line; or `turns`/`prompt`/`question`) become
+    `ChatPrompt`s, sent through the chat template; {"text"} records (C4) are raw text, cut to
+    `max_chars`; .txt files give one prompt per line. Several files are interleaved in proportion
+    to their sizes, in file order, so `limit` keeps the mix.
     """
-    if path is None:
-        found = default_calibration_dir()
-        if found is None:
-            raise FileNotFoundError(
-                f"no calibration data: {_REL_CALIBRATION} not found from the repository root ({_REPO_ROOT}) "
-                f"or the current directory ({Path.cwd()}); pass a path to a .json/.jsonl file or directory")
-        path = found
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"calibration data not found: {path}")
-    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl", ".txt")) if path.is_dir() else [path]
-    if not files:
-        raise FileNotFoundError(f"{path}: no .json, .jsonl or .txt calibration files in it")
+    files = data_files(calibration_data(path), (".json", ".jsonl", ".txt"), "calibration data")
     per_file = [_read_prompt_file(f, max_chars) for f in files]
     keyed = [((j + 0.5) / len(ps), i, p) for i, ps in enumerate(per_file) for j, p in enumerate(ps)]
     keyed.sort(key=lambda t: (t[0], t[1]))

@@ -9,7 +9,6 @@ FR-Spec shortlist (the head's soft labels).
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -18,36 +17,30 @@ import torch
 from tqdm.auto import tqdm
 
 from ..model.llama import Transformer
-from .prompts import default_calibration_dir
+from ..records import data_files, question, raw_text, read_file
+from .prompts import calibration_data
 
 
 # ---- text -------------------------------------------------------------------------------------
+user_message = question  # an alpaca record's question: the instruction, then its input after a blank line
+
+
 def read_records(data: str | Path | None = None) -> list[dict]:
-    """The JSON records of a .json (a list) / .jsonl file, or of every such file in a directory
-    (default: ../shared/data/calibration)."""
-    path = Path(data) if data is not None else default_calibration_dir()
-    if path is None or not path.exists():
-        raise FileNotFoundError(f"training text not found: {data or '../shared/data/calibration'}")
-    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl")) if path.is_dir() else [path]
-    records: list[dict] = []
-    for file in files:
-        try:
-            text = file.read_text()
-            recs = [json.loads(x) for x in text.splitlines() if x.strip()] if file.suffix == ".jsonl" else json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{file}: cannot read training text ({e})") from None
-        records.extend(r for r in (recs if isinstance(recs, list) else []) if isinstance(r, dict))
-    return records
+    """The JSON records (objects) of a .json (a list) / .jsonl file, or of every such file in a
+    directory, in name order (default: ../shared/data/calibration); see specee.records.read_file."""
+    files = data_files(calibration_data(data), (".json", ".jsonl"), "training text")
+    return [r for file in files for r in read_file(file) if isinstance(r, dict)]
 
 
 def training_sequences(tokenizer, data: str | Path | None = None,
                        max_len: int = 512) -> tuple[list[list[int]], list[int]]:
     """Token sequences of the training text (see read_records): alpaca-style {instruction, input,
-    output} records rendered as a user/assistant exchange with the chat template (raw
-    "instruction\n\noutput" without one), {"text"} records as raw text; each cut into pieces of
-    at most `max_len` tokens. Also, per piece, the first position whose next token is trained:
-    the answer's, as EAGLE masks its loss to the assistant's turns (a head is judged on what the
-    target writes, and system prompts repeated in every record would inflate its accuracy)."""
+    output} records (any record with a question, see specee.records.question, and an output)
+    rendered as a user/assistant exchange with the chat template (raw "question\n\noutput"
+    without one), {"text"} records as raw text; each cut into pieces of at most `max_len` tokens.
+    Also, per piece, the first position whose next token is trained: the answer's, as EAGLE masks
+    its loss to the assistant's turns (a head is judged on what the target writes, and system
+    prompts repeated in every record would inflate its accuracy)."""
     seqs: list[list[int]] = []
     starts: list[int] = []
     for rec in read_records(data):
@@ -63,29 +56,20 @@ def training_sequences(tokenizer, data: str | Path | None = None,
     return seqs, starts
 
 
-def user_message(rec: dict) -> str:
-    """An alpaca record's question: the instruction, then its input (if any) after a blank line."""
-    user = rec["instruction"].strip()
-    if (rec.get("input") or "").strip():
-        user += "\n\n" + rec["input"].strip()
-    return user
-
-
 def _encode_record(tokenizer, rec: dict) -> tuple[list[int], int]:
     """The record's tokens and where its answer starts (0 for plain text; no tokens: skipped)."""
-    if rec.get("instruction") and rec.get("output"):
-        user = user_message(rec)
+    user, answer = question(rec), rec.get("output")
+    if user and isinstance(answer, str) and answer.strip():
         if tokenizer.chat_template is None:
-            return tokenizer.encode(user + "\n\n" + rec["output"].strip()), len(tokenizer.encode(user + "\n\n"))
-        question = [{"role": "user", "content": user}]
-        messages = question + [{"role": "assistant", "content": rec["output"].strip()}]
-        prefix = tokenizer.encode(tokenizer.apply_chat_template(question, add_generation_prompt=True),
+            return tokenizer.encode(user + "\n\n" + answer.strip()), len(tokenizer.encode(user + "\n\n"))
+        asked = [{"role": "user", "content": user}]
+        messages = asked + [{"role": "assistant", "content": answer.strip()}]
+        prefix = tokenizer.encode(tokenizer.apply_chat_template(asked, add_generation_prompt=True),
                                   add_special_tokens=False)
         return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False),
                                 add_special_tokens=False), len(prefix)
-    if isinstance(rec.get("text"), str) and rec["text"].strip():
-        return tokenizer.encode(rec["text"].strip()), 0
-    return [], 0
+    text = raw_text(rec)
+    return (tokenizer.encode(text), 0) if text else ([], 0)
 
 
 # ---- the record -------------------------------------------------------------------------------

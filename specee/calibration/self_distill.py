@@ -19,13 +19,15 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..records import question
 from ..sampling import SamplingParams
-from .record import read_records, user_message
+from .record import read_records
 
 
 def instructions(data: str | Path | None = None) -> list[dict]:
     """The alpaca-style records (with an instruction) of a .json/.jsonl file or directory
-    (default: ../shared/data/calibration); raw-text records have no question to answer and are skipped."""
+    (default: ../shared/data/calibration; see read_records); raw-text records have no question to
+    answer and are skipped."""
     recs = [r for r in read_records(data) if isinstance(r.get("instruction"), str) and r["instruction"].strip()]
     if not recs:
         raise ValueError(f"{data or '../shared/data/calibration'}: no instruction records to answer "
@@ -48,7 +50,7 @@ def distill(llm, output: str | Path, data: str | Path | None = None, max_new_tok
     if llm.early_exit is not None or llm.speculative is not None:
         raise ValueError("self-distillation decodes at full depth: load the target without early exit or speculation")
     recs = instructions(data)
-    messages = [user_message(r) for r in recs]
+    messages = [question(r) for r in recs]
     limit = llm.model.cfg.context_limit - max_new_tokens
     prompts = [llm.encode(m, chat=True) for m in messages]
     order = sorted((i for i in range(len(recs)) if len(prompts[i]) <= limit), key=lambda i: len(prompts[i]))
