@@ -1,8 +1,10 @@
 """Helpers for the early-exit and lossless tests: controlled drafters, banks and references."""
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+from collections import Counter
 
 import torch
 
@@ -96,3 +98,30 @@ def reference_forced_tokens(model, drafter: Drafter, prompt_ids: list[int], n_to
         out.append(token)
         history.append(token)
     return out
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Counts every Python-level read of a tensor's value on the host (each is a device sync on CUDA)."""
+    counts = Counter()
+    names = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+    saved = {n: torch.Tensor.__dict__.get(n) for n in names}
+
+    def wrap(name):
+        base = getattr(torch._C.TensorBase, name)
+
+        def read(self, *a, **kw):
+            counts[name] += 1
+            return base(self, *a, **kw)
+        return read
+
+    for n in names:
+        setattr(torch.Tensor, n, wrap(n))
+    try:
+        yield counts
+    finally:
+        for n, f in saved.items():
+            if f is None:
+                delattr(torch.Tensor, n)
+            else:
+                setattr(torch.Tensor, n, f)

@@ -13,7 +13,7 @@ from ee_helpers import (AllTokensDrafter, constant_bank, decoder, never_bank, ra
 from specee import LLM, SamplingParams
 from specee.engine.early_exit import EarlyExitConfig
 from specee.engine.full_depth import prefill
-from specee.exit.scheduler import TwoLevelScheduler
+from specee.exit.scheduler import RETRY_AFTER, ExitPayoff, TwoLevelScheduler
 from specee.model.rope import inverse_frequencies
 
 POLICIES = ("skip", "propagate", "recompute")
@@ -204,6 +204,32 @@ def test_scheduler_two_levels():
     assert [i for i, on in enumerate(s.layers()) if on] == [2, 3, 4, 5]
     s.record(0)  # window 2: the exit at 3 has left the window
     assert [i for i, on in enumerate(s.layers()) if on] == [0, 1, 2, 5]
+
+
+def test_a_layer_that_stops_paying_is_not_checked_until_a_retry():
+    """Checks cost 0.25 layers: a layer whose predictor never exits drops out of the schedule
+    within about 16 checks and comes back for one check after RETRY_AFTER passes; one that exits
+    (saving 5 layers) keeps being checked; the calibration prior decides where it starts."""
+    L = 8
+    prior = ExitPayoff.prior_from({"exit_distribution": [0, 0, 50, 0, 10, 0, 0, 940]}, L)
+    assert prior[2] == pytest.approx(0.05 * 5) and prior[4] == pytest.approx(0.01 * 3)
+    payoff = ExitPayoff(L, 0.25, [1.0] * L)
+    s = TwoLevelScheduler(L, offline_layers=[2, 4], thresholds=[0.5] * L, online_window=0, payoff=payoff)
+    checks = {2: 0, 4: 0}
+    for _ in range(40):
+        for layer in (i for i, on in enumerate(s.layers()) if on):
+            checks[layer] += 1
+            s.observe(layer, exited=layer == 2)
+    assert checks[2] == 40 and 10 <= checks[4] <= 30
+    for _ in range(RETRY_AFTER):
+        s.layers()
+    assert s.layers()[4], "retried"
+    s.observe(4, exited=False)
+    assert not s.layers()[4]
+    free = TwoLevelScheduler(L, [2, 4], [0.5] * L, online_window=0, payoff=ExitPayoff(L, 0.0))
+    for _ in range(100):
+        free.observe(4, exited=False)
+    assert free.layers()[4], "cost 0: always checked"
 
 
 def test_bad_early_exit_configs():

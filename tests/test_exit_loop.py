@@ -3,14 +3,13 @@ bookkeeping, float32 predictors, skip checked against a masked-attention referen
 multi-position lossless sampling, and the attention fast paths."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import Counter
 
 import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
-from ee_helpers import AllTokensDrafter, constant_bank, decoder, random_forcing, run
+from ee_helpers import AllTokensDrafter, constant_bank, count_host_reads, decoder, random_forcing, run
 
 from specee import LLM, SamplingParams
 from specee.exit.features import exit_features, spec_rows
@@ -30,33 +29,6 @@ class FixedDrafter(AllTokensDrafter):
     def __init__(self, tokens: list[int]):
         super().__init__(1)
         self.k, self._ids = len(tokens), torch.tensor(tokens)
-
-
-@contextlib.contextmanager
-def count_host_reads():
-    """Counts every Python-level read of a tensor's value on the host (each is a device sync on CUDA)."""
-    counts = Counter()
-    names = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
-    saved = {n: torch.Tensor.__dict__.get(n) for n in names}
-
-    def wrap(name):
-        base = getattr(torch._C.TensorBase, name)
-
-        def read(self, *a, **kw):
-            counts[name] += 1
-            return base(self, *a, **kw)
-        return read
-
-    for n in names:
-        setattr(torch.Tensor, n, wrap(n))
-    try:
-        yield counts
-    finally:
-        for n, f in saved.items():
-            if f is None:
-                delattr(torch.Tensor, n)
-            else:
-                setattr(torch.Tensor, n, f)
 
 
 def test_exit_decision_is_one_host_read_per_checked_layer(tiny):
@@ -220,8 +192,8 @@ def test_decode_feeds_the_predictors_the_features_calibration_recorded(tiny):
     drafter = NGramDrafter(4, model.cfg.vocab_size, model.device)
     rec = record_calibration(model, tiny.tokenizer, drafter, [ids], max_new_tokens=m, eos_ids=frozenset(),
                              progress=False)
-    bank = constant_bank(L, 4, [0.6] * (L - 1) + [float("inf")])  # checked at every layer, never fires
-    dec = decoder(tiny, drafter, bank)
+    bank = constant_bank(L, 4, [0.6] * (L - 1) + [float("inf")])  # never fires
+    dec = decoder(tiny, drafter, bank, check_cost=0)  # checked at every layer even though it never pays
     seen = []
     prob = dec.bank.prob
     dec.bank.prob = lambda layer, feats: seen.append((layer, feats.clone())) or prob(layer, feats)

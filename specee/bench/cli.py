@@ -65,6 +65,12 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
         e.add_argument("--online-radius", type=non_negative_int, default=1, help="online schedule radius (default 1)")
         e.add_argument("--max-pending", type=positive_int, default=8,
                        help="most carried rows / unverified tokens before a forced full-depth step (default 8)")
+        e.add_argument("--check-cost", type=float, default=0.2, metavar="C",
+                       help="a predictor check's cost in layers: layers whose exits save less per check are not "
+                            "checked (default 0.2; 0 = check every scheduled layer)")
+        e.add_argument("--draft-tokens", type=non_negative_int, default=0, metavar="N",
+                       help="draft N tokens per pass with the early-exit drafter and verify them in the pass, "
+                            "exits inside (speculative decoding + SpecEE; default 0: one token per pass)")
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="DIR", default=None, help="write report.json, report.md and PNG figures here")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -73,7 +79,7 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
 def ee_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"threshold_scale": args.threshold_scale, "offline_size": args.offline_size,
             "online_window": args.online_window, "online_radius": args.online_radius,
-            "max_pending": args.max_pending}
+            "max_pending": args.max_pending, "num_draft_tokens": args.draft_tokens, "check_cost": args.check_cost}
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[Path, str]:
@@ -189,7 +195,7 @@ def cmd_oracle(args: argparse.Namespace) -> int:
     prompts = prompts_from(args)
     llm = load_target(args, model)
     report = run_oracle(llm, prompts, draft=draft, k=args.k, max_new_tokens=args.max_new_tokens, chat=args.chat,
-                        show_progress=not args.no_progress, argv=argv_of(args))
+                        show_progress=not args.no_progress, argv=argv_of(args), draft_tokens=args.draft_tokens)
     return finish(args, report, oracle_markdown(report), {"oracle_exit_layers.png": plots.plot_oracle})
 
 
@@ -293,6 +299,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                        description="Logit-lens oracle: the first layer whose argmax is and stays the final token, "
                                    "full depth where the drafter's top-k misses it; bound = L / mean.")
     add_common_args(o, bank=False, ee_options=False, count=3, max_new_tokens=128)
+    o.add_argument("--draft-tokens", type=non_negative_int, default=0, metavar="N",
+                   help="also bound exits inside speculative verification passes of N drafted tokens (default: 0)")
     o.set_defaults(func=cmd_oracle)
 
     w = sub.add_parser("sweep", help="threshold and schedule sweep: speedup vs agreement, Pareto plot",

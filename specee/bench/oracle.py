@@ -17,6 +17,12 @@ lens (final norm + LM head) of layer i gives that layer's argmax at each positio
 The "final token" is the full-depth greedy token from the decode loop; if the teacher-forced
 last layer disagrees with it (a rounding near-tie), the position counts as L and is reported
 as `final_layer_mismatch`.
+
+With `draft_tokens` N, the same bound for SpecEE inside speculative verification passes: the
+drafter drafts N tokens per pass along the continuation (as the decode loop would, greedy),
+the pass emits the accepted drafts and one more token, and it can stop no earlier than the
+deepest oracle layer of its emitted rows (rows settle together). bound = L / mean layers per
+pass: the most exits can add to speculation alone at those acceptances.
 """
 from __future__ import annotations
 
@@ -52,6 +58,30 @@ def oracle_exit_layers(llm, drafter, prompt_ids: list[int], continuation: list[i
     return {"free": free.cpu(), "drafter": restricted.cpu(), "hit": hit.cpu(), "final_ok": eq[L - 1].cpu()}
 
 
+@torch.inference_mode()
+def pass_depths(drafter, prompt_ids: list[int], continuation: list[int], layers: torch.Tensor,
+                draft_tokens: int) -> list[tuple[int, int]]:
+    """(tokens emitted, oracle layers) of each verification pass along `continuation`, drafting
+    `draft_tokens` per pass; layers: each position's drafter-restricted oracle layers."""
+    from ..sampling import SamplingParams
+
+    params, out, p, T = SamplingParams(), [], 0, len(continuation)
+    drafter.reset(list(prompt_ids), T + draft_tokens)
+    while p < T:
+        draft = drafter.draft(min(draft_tokens, T - p - 1), params, None, 0).tokens.tolist()
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == continuation[p + accepted]:
+            accepted += 1
+        emitted = continuation[p : p + accepted + 1]
+        out.append((len(emitted), int(layers[p : p + len(emitted)].max())))
+        if draft:
+            drafter.commit(emitted, accepted)
+        else:
+            drafter.extend(emitted)
+        p += len(emitted)
+    return out
+
+
 def _summary(layers: torch.Tensor, L: int) -> dict[str, Any]:
     n = int(layers.numel())
     if n == 0:
@@ -62,8 +92,18 @@ def _summary(layers: torch.Tensor, L: int) -> dict[str, Any]:
             "share_after_layer_1": hist[0] / n, "share_full_depth": hist[L - 1] / n}
 
 
+def _passes(passes: list[tuple[int, int]], L: int, draft_tokens: int) -> dict[str, Any] | None:
+    if not passes:
+        return None
+    tokens, depth = sum(t for t, _ in passes), sum(d for _, d in passes)
+    return {"num_draft_tokens": draft_tokens, "passes": len(passes), "tokens": tokens,
+            "mean_accepted_length": tokens / len(passes), "mean_pass_layers": depth / len(passes),
+            "bound": L * len(passes) / depth, "share_full_depth": sum(d == L for _, d in passes) / len(passes)}
+
+
 def run_oracle(llm, prompts: Sequence[Prompt], *, draft: str, k: int = 4, max_new_tokens: int = 128,
-               chat: str | bool = "auto", show_progress: bool = True, argv: Sequence[str] | None = None) -> dict[str, Any]:
+               chat: str | bool = "auto", show_progress: bool = True, argv: Sequence[str] | None = None,
+               draft_tokens: int = 0) -> dict[str, Any]:
     from .quality import full_depth_continuations
 
     drafter = llm.make_drafter(draft, k)
@@ -77,6 +117,8 @@ def run_oracle(llm, prompts: Sequence[Prompt], *, draft: str, k: int = 4, max_ne
         if not cont:
             continue
         rows.append(oracle_exit_layers(llm, drafter, ids, cont))
+        if draft_tokens:
+            rows[-1]["passes"] = pass_depths(drafter, ids, cont, rows[-1]["drafter"], draft_tokens)
         cats.append(p.category)
 
     def summarise(sel: list[int]) -> dict[str, Any]:
@@ -88,14 +130,16 @@ def run_oracle(llm, prompts: Sequence[Prompt], *, draft: str, k: int = 4, max_ne
         hit = torch.cat([rows[i]["hit"] for i in sel])
         ok = torch.cat([rows[i]["final_ok"] for i in sel])
         return {"free": _summary(free, L), "drafter": _summary(restricted, L),
-                "topk_hit_rate": float(hit.float().mean()), "final_layer_mismatch": int((~ok).sum())}
+                "topk_hit_rate": float(hit.float().mean()), "final_layer_mismatch": int((~ok).sum()),
+                "passes": _passes([x for i in sel for x in rows[i].get("passes", [])], L, draft_tokens)}
 
     overall = summarise(list(range(len(rows))))
     per_cat = {c: summarise([i for i, x in enumerate(cats) if x == c]) for c in dict.fromkeys(cats)}
     return {
         "benchmark": "oracle",
         "environment": environment(llm, draft=draft, drafter=drafter, argv=argv),
-        "settings": {"max_new_tokens": max_new_tokens, "k": k, "chat_template": use_chat, "prompts": len(prompts)},
+        "settings": {"max_new_tokens": max_new_tokens, "k": k, "chat_template": use_chat, "prompts": len(prompts),
+                     "draft_tokens": draft_tokens},
         "num_layers": L,
         "overall": overall,
         "per_category": per_cat,
@@ -120,6 +164,7 @@ def oracle_markdown(report: dict[str, Any]) -> str:
                         f.get("share_full_depth")]], 3),
              "",
              hit_line, "",
+             *passes_lines(o.get("passes"), L),
              "## Per category", "",
              md_table(["category", "positions", "top-k hit rate", "mean layers (drafter)", "bound (drafter)",
                        "mean layers (free)", "bound (free)"],
@@ -131,3 +176,13 @@ def oracle_markdown(report: dict[str, Any]) -> str:
                       [[i + 1, d["histogram"][i], f["histogram"][i]] for i in range(L)]),
              "", "## Environment", "", environment_md(env), ""]
     return "\n".join(lines)
+
+
+def passes_lines(passes: dict[str, Any] | None, L: int) -> list[str]:
+    if not passes:
+        return []
+    return [f"Inside speculative verification ({passes['num_draft_tokens']} draft tokens per pass, the drafter's own "
+            f"greedy chains): {passes['passes']} passes emit {passes['tokens']} tokens (mean accepted length "
+            f"{passes['mean_accepted_length']:.2f}); a pass stops no earlier than its deepest emitted row, "
+            f"{passes['mean_pass_layers']:.2f} of {L} layers on average ({passes['share_full_depth']:.0%} need all): "
+            f"bound {passes['bound']:.3f}x over speculation alone.", ""]

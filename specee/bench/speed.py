@@ -49,6 +49,30 @@ def config_specs(draft: str, bank: str | None, k: int, policies: Sequence[str], 
     return specs
 
 
+def merged_specs(speculative: list[dict[str, Any]], draft: str, bank: str | None, k: int, policies: Sequence[str],
+                 lossless: bool, ee_options: dict[str, Any] | None = None) -> list[ConfigSpec]:
+    """Each speculative config the early-exit drafter can draft for, with SpecEE's exits inside its
+    verification passes: lossy per KV policy, and lossless."""
+    from ..engine.llm import merged_config
+    from ..spec.config import SpeculativeConfig
+
+    opts = {key: v for key, v in (ee_options or {}).items() if key != "num_draft_tokens"}
+    modes = [(p, "lossy") for p in policies] + ([("recompute", "lossless")] if lossless else [])
+    specs = []
+    for raw in speculative:
+        c = SpeculativeConfig.parse(raw)
+        for policy, mode in modes:
+            try:
+                config = merged_config(make_config(draft, bank, k, kv_policy=policy, mode=mode, **opts), raw)
+            except ValueError:  # a drafter the early-exit drafter is not (eagle, another model)
+                break
+            what = policy if mode == "lossy" else "lossless"
+            specs.append(ConfigSpec(f"spec-{c.method}-n{c.num_speculative_tokens}+ee-{what}",
+                                    f"speculative {c.method}, {c.num_speculative_tokens} tokens + SpecEE ({what})",
+                                    "early_exit", config))
+    return specs
+
+
 def _aggregate(runs: list[Run], per_run: list[list[Run]]) -> dict[str, Any]:
     """runs: one representative (median) record per prompt."""
     tokens = sum(r.tokens for r in runs)
@@ -135,6 +159,7 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
     fitted = [fit_prompt(llm, p.text, use_chat, max_new_tokens) for p in prompts]
     specs = config_specs(draft, bank, k, policies, lossless, hf, ee_options)
     specs += speculative_specs(list(speculative), hf_prompt_lookup, hf_assistant)
+    specs += merged_specs(list(speculative), draft, bank, k, policies, lossless, ee_options)
     llama_peer = None
     if llama_cpp:
         import torch

@@ -204,7 +204,8 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
         help='draft-and-verify decoding, lossless, as in vLLM: \'{"method": "eagle", "model": HEAD_DIR, '
              '"num_speculative_tokens": 4}\' (methods: eagle, draft_model with a model dir, ngram; optional '
-             '"tree": {"topk": K, "size": S}). Replaces early exit')
+             '"tree": {"topk": K, "size": S}). With --draft, SpecEE\'s exits run inside the verification '
+             'passes (method ngram with --draft ngram, or draft_model with the same model)')
 
 
 def load_llm(args: argparse.Namespace):
@@ -221,7 +222,6 @@ def load_llm(args: argparse.Namespace):
         from ..spec.config import SpeculativeConfig
 
         speculative = SpeculativeConfig.parse(speculative)  # before loading: bad configs fail fast
-        args.no_exit = True
     config = early_exit_config(args) if hasattr(args, "no_exit") else None
     quantization = quantization_mode(args)
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,

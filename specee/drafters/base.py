@@ -13,7 +13,8 @@ Speculative decoding (specee/spec/) asks for several tokens ahead instead: `draf
 returns a chain of n tokens for the positions after the history (and, when sampled, the
 distributions they were drawn from) without consuming them; `commit(tokens, matched, ...)`
 then consumes what the target accepted. Drafters that read the target's hidden states (the
-EAGLE head) get them through `begin` and `commit`; the others ignore them.
+EAGLE head) get them through `begin` and `commit`; the others ignore them. SpecEE's exits
+inside a verification pass also need every row's top-k: `row_candidates(draft)`.
 """
 from __future__ import annotations
 
@@ -131,6 +132,18 @@ class Drafter(ABC):
         """Up to n tokens for the positions after the history, without consuming them; width: the
         target's vocabulary rows (the width of `Draft.probs`)."""
         raise NotImplementedError(f"{self.name} cannot draft several tokens ahead")
+
+    def row_candidates(self, draft: Draft) -> torch.Tensor:
+        """[n + 1, k] for the last `draft` of n tokens: row j is what `propose()` gives after the
+        history and the draft's first j tokens (the speculative tokens of verification row j).
+        The state is left as it was. Default: advance through the draft and roll back."""
+        base = len(self.history)
+        rows = [self.propose()]
+        for token in draft.tokens.tolist():
+            self.advance(token)
+            rows.append(self.propose())
+        self.truncate(base)
+        return torch.stack(rows)
 
     def commit(self, tokens: list[int], matched: int, features: torch.Tensor | None = None) -> None:
         """Consume what a speculative step emitted: the first `matched` tokens are the last draft's

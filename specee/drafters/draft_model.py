@@ -65,6 +65,7 @@ class DraftModelDrafter(Drafter):
         self._n = 0  # history tokens in the cache: history[offset : offset + n]
         self._last: torch.Tensor | None = None  # final-normed hidden state of the last cached token, [1, H]
         self._drafted = 0  # draft tokens whose K/V sit in the cache past the history (slots n, n+1, ...)
+        self._draft_states: list[torch.Tensor] = []  # final-normed states the last draft scored, [1, H] each
 
     # ---- cache management ------------------------------------------------------------------
     @torch.inference_mode()
@@ -158,13 +159,27 @@ class DraftModelDrafter(Drafter):
         n = max(0, min(n, self.context - start))  # draft rows stay inside the draft's context
         self._ensure_capacity(start + n)
         model, chain = self.model, DraftChain(params, generator, self._head_ids, width, self.device)
+        self._draft_states = [normed]  # row j's state: what row_candidates scores
         for j in range(n):
             token = chain.pick(self._head(normed))  # scores over the head's rows
             if j < n - 1:  # the last draft token's K/V is not needed to draft
                 h = model.forward(token.view(1, 1), model.range_inputs(start + j, 1), self._cache)
                 normed = model.norm(h[0])
+                self._draft_states.append(normed)
         self._drafted = max(n - 1, 0)
         return chain.draft()
+
+    @torch.inference_mode()
+    def row_candidates(self, draft: Draft) -> torch.Tensor:
+        """The states `draft` scored give rows 0..n-1; one more draft step (the last draft token,
+        whose K/V commit can then keep) gives row n."""
+        n, states = draft.tokens.shape[0], self._draft_states
+        if n:
+            model, slot = self.model, self._n + n - 1
+            h = model.forward(draft.tokens[-1:].view(1, 1), model.range_inputs(slot, 1), self._cache)
+            states = states + [model.norm(h[0])]
+            self._drafted = n
+        return self._top_k(torch.cat(states))
 
     # the draft-tree interface (specee.spec.tree.TreeGrower): candidates sit at slots n + c
     def tree_root(self, candidates: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:

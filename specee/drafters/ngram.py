@@ -10,16 +10,21 @@ is vLLM's prompt lookup: the tokens that followed the latest earlier occurrence 
 history's longest matching suffix, as a chain.
 
 The follow tables are updated incrementally on `advance` (O(max_ngram) per token);
-`truncate` rebuilds them from the kept history (rollbacks are rare).
+`truncate` rebuilds them from the kept history (rollbacks are rare); `row_candidates` pushes
+a draft's tokens with a journal and undoes them exactly.
 """
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import torch
 
 from ..sampling import SamplingParams
 from .base import Draft, Drafter
+
+
+_MISSING = object()  # a journal's "this key did not exist"
 
 
 class NGramDrafter(Drafter):
@@ -39,15 +44,25 @@ class NGramDrafter(Drafter):
         # _follow[n-1][ngram] = {follower: [count, last position]}
         self._follow: list[dict[tuple[int, ...], dict[int, list[int]]]] = [{} for _ in range(self.max_ngram)]
         self._freq: dict[int, list[int]] = {}  # token -> [count, last position]
+        self._drafted: list[int] = []  # the last draft's tokens
 
-    def _push(self, token: int) -> None:
+    def _push(self, token: int, journal: list[tuple[dict, Any, Any]] | None = None) -> None:
+        """Append `token`; with a journal, note each (dict, key, old value or _MISSING) changed."""
         hist = self._history
         t = len(hist)
         hist.append(token)
         for n in range(1, min(self.max_ngram, t) + 1):
-            entry = self._follow[n - 1].setdefault(tuple(hist[t - n : t]), {}).setdefault(token, [0, 0])
+            table, key = self._follow[n - 1], tuple(hist[t - n : t])
+            if journal is not None and key not in table:
+                journal.append((table, key, _MISSING))
+            followers = table.setdefault(key, {})
+            if journal is not None:
+                journal.append((followers, token, list(followers[token]) if token in followers else _MISSING))
+            entry = followers.setdefault(token, [0, 0])
             entry[0] += 1
             entry[1] = t
+        if journal is not None:
+            journal.append((self._freq, token, list(self._freq[token]) if token in self._freq else _MISSING))
         f = self._freq.setdefault(token, [0, 0])
         f[0] += 1
         f[1] = t
@@ -105,7 +120,23 @@ class NGramDrafter(Drafter):
         return []
 
     def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
-        return Draft(torch.tensor(self.chain(n), dtype=torch.long, device=self.device))
+        self._drafted = self.chain(n)  # kept for row_candidates: no device-to-host read of the draft
+        return Draft(torch.tensor(self._drafted, dtype=torch.long, device=self.device))
+
+    def row_candidates(self, draft: Draft) -> torch.Tensor:
+        tokens = self._drafted if len(self._drafted) == draft.tokens.shape[0] else draft.tokens.tolist()
+        journal: list[tuple[dict, Any, Any]] = []
+        rows = [self.candidates()]
+        for token in tokens:
+            self._push(int(token), journal)
+            rows.append(self.candidates())
+        for container, key, old in reversed(journal):  # undo, newest change first
+            if old is _MISSING:
+                del container[key]
+            else:
+                container[key] = old
+        del self._history[len(self._history) - len(tokens):]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= len(self._history):

@@ -1,11 +1,14 @@
 """Speculative early-exit decoding (SpecEE) of one request: the decode loop.
 
-Per token: the drafter proposes k speculative tokens; the layers run one by one, and after
-each scheduled layer the exit controller decides whether the token leaves there
-(exit/controller.py). The KV policy (exit/kv_policy.py: skip, propagate, recompute) decides
-what the skipped layers' cache holds and which carried rows join the step. In lossless
-mode (recompute), rows that complete the last layer verify the tokens emitted before them,
-and a wrong one is rolled back (exit/lossless.py).
+Per pass: the drafter proposes k speculative tokens for each row; the layers run one by one,
+and after each scheduled layer the exit controller decides whether the pass leaves there
+(exit/controller.py). A pass is one row (the last token: one-token early exit) or, with
+`num_draft_tokens`, the last token and a drafted chain verified in the same pass (SpecEE's
+exits inside speculative decoding); the accepted drafts and the next token come from the
+exit layer's argmax, or the last layer's. The KV policy (exit/kv_policy.py: skip, propagate,
+recompute) decides what the skipped layers' cache holds and which carried rows join the pass.
+In lossless mode (recompute), rows that complete the last layer verify the tokens emitted
+before them, and a wrong one is rolled back (exit/lossless.py).
 """
 from __future__ import annotations
 
@@ -16,15 +19,17 @@ from typing import Literal
 import torch
 
 from ..clock import StageTimer, device_time
-from ..drafters.base import Drafter
+from ..drafters.base import Draft, Drafter
 from ..exit.bank import PredictorBank
-from ..exit.controller import ExitController, ExitHit
+from ..exit.controller import ExitController
 from ..exit.kv_policy import POLICY_CLASSES, join_rows
 from ..exit.lossless import LosslessVerifier
-from ..exit.scheduler import TwoLevelScheduler
+from ..exit.scheduler import ExitPayoff, TwoLevelScheduler
 from ..exit.stats import ExitStats
 from ..model.llama import Transformer
 from ..sampling import probabilities, sample
+from ..spec.speculative import SpecStats
+from ..spec.verify import accept_chain, accept_chain_sampled
 from .full_depth import check_fits, prefill
 from .sequence import Sequence
 
@@ -40,7 +45,12 @@ class EarlyExitConfig:
     bank: a predictor bank directory; None calibrates one (and caches it) on first use.
     max_pending: most carried rows (recompute) or unverified positions (lossless) before a
     forced full-depth step; threshold_scale multiplies the bank's thresholds' distance from 1
-    (above 1 = lower thresholds, more exits; below 1 = fewer), for sweeps.
+    (above 1 = lower thresholds, more exits; below 1 = fewer), for sweeps. num_draft_tokens:
+    0 decodes one token per pass; N > 0 drafts N tokens with the same drafter and verifies them
+    in the pass (speculative decoding with exits; `LLM` sets it from `speculative_config`).
+    check_cost: a predictor check's cost in target-layer equivalents (0.11-0.2 measured for a pass
+    of 1-4 rows of SmolLM2-135M on CPU, less on larger models); a scheduled layer whose exits save
+    less per check stops being checked (exit/scheduler.py ExitPayoff); 0 checks every scheduled layer.
     """
 
     draft: str | None = None
@@ -53,6 +63,8 @@ class EarlyExitConfig:
     online_radius: int = 1
     max_pending: int = 8
     threshold_scale: float = 1.0
+    num_draft_tokens: int = 0
+    check_cost: float = 0.2
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
@@ -67,6 +79,10 @@ class EarlyExitConfig:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
         if self.threshold_scale <= 0:
             raise ValueError(f"threshold_scale must be > 0, got {self.threshold_scale}")
+        if self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if not self.check_cost >= 0:
+            raise ValueError(f"check_cost must be >= 0, got {self.check_cost}")
 
     def thresholds(self, bank: PredictorBank) -> list[float]:
         return [1.0 - (1.0 - t) * self.threshold_scale if t != float("inf") else t for t in bank.thresholds]
@@ -106,11 +122,14 @@ class EarlyExitDecoder:
         self.thresholds = config.thresholds(bank)
         offline = bank.offline_layers if config.offline_size is None else bank.ranked_layers[: config.offline_size]
         self.offline_layers = list(offline)
+        L = model.cfg.num_layers
+        # shared by the requests this decoder serves: what paid in one pass is the best guess for the next
+        self.payoff = ExitPayoff(L, config.check_cost, ExitPayoff.prior_from(bank.summary, L))
 
     def new_scheduler(self) -> TwoLevelScheduler:
         c = self.config
         return TwoLevelScheduler(self.model.cfg.num_layers, self.offline_layers, self.thresholds,
-                                 c.online_window, c.online_radius)
+                                 c.online_window, c.online_radius, self.payoff)
 
     def generate(self, seq: Sequence, exits: ExitController | None = None) -> "DecodeRun":
         """Decode `seq` to completion; returns the run (its cache and stats, for inspection).
@@ -148,12 +167,14 @@ class DecodeRun:
         self.params = seq.params
         self.generator = self.params.make_generator(self.model.device)
         self.stats = ExitStats(self.num_layers)
+        self.spec_stats = SpecStats(dec.config.num_draft_tokens) if dec.config.num_draft_tokens else None
         self.timer = StageTimer(self.model.device)  # the drafter's share
         self.scheduler = dec.new_scheduler()
         self.exit = exits or ExitController(self.model, dec.bank, dec.thresholds)
         self.verifier = LosslessVerifier(self) if dec.config.mode == "lossless" else None
         self.history: list[int] = list(seq.prompt_ids)  # prompt + emitted (verified or not)
         self.next_ids = torch.tensor([seq.prompt_ids[-1:]], device=self.model.device)  # history[-1], on device
+        self.no_draft = Draft(torch.empty(0, dtype=torch.long, device=self.model.device))
 
     @property
     def unverified(self) -> list:
@@ -185,13 +206,14 @@ class DecodeRun:
     # ---- the request ----------------------------------------------------------------------
     @torch.inference_mode()
     def steps(self) -> Iterator[None]:
-        """Decode the request, yielding after each step or flush."""
+        """Decode the request, yielding after each pass or flush."""
         seq, model = self.seq, self.model
         check_fits(model, len(seq.prompt_ids), self.params.max_tokens)
-        self.cache = model.new_cache(1, len(seq.prompt_ids) + self.params.max_tokens + 1)
+        extra = self.dec.config.num_draft_tokens + 1
+        self.cache = model.new_cache(1, len(seq.prompt_ids) + self.params.max_tokens + extra)
         self.kv = POLICY_CLASSES[self.dec.config.kv_policy](model, self.cache)
         t0 = device_time(model.device)
-        # All but the last prompt token at full depth; the last one is the first early-exit step,
+        # All but the last prompt token at full depth; the last one is the first early-exit pass,
         # so the first generated token can exit too (it is all a multiple-choice answer has).
         if len(seq.prompt_ids) > 1:
             prefill(model, self.cache, [seq.prompt_ids[:-1]])
@@ -209,7 +231,7 @@ class DecodeRun:
         finally:  # also when the caller stops early (a closed stream)
             seq.stats.prefill_seconds = t1 - t0
             seq.stats.decode_seconds = device_time(model.device) - t1
-            seq.stats.decode_tokens = len(seq.output_ids)  # the first token came from a decode step too
+            seq.stats.decode_tokens = len(seq.output_ids)  # the first token came from a decode pass too
             s, e = self.stats, self.exit
             s.predictor_calls, s.exits_rejected = e.predictor_calls, e.rejected
             s.drafter_seconds = self.timer.seconds("drafter")
@@ -218,64 +240,122 @@ class DecodeRun:
             c = self.dec.config
             seq.stats.early_exit.update(kv_policy=c.kv_policy, mode=c.mode, offline_layers=self.dec.offline_layers,
                                         online_window=c.online_window, online_radius=c.online_radius)
+            if self.spec_stats is not None:
+                self.spec_stats.draft_seconds = s.drafter_seconds
+                method = "ngram" if self.drafter.fingerprint.startswith("ngram") else "draft_model"
+                seq.stats.speculative = {"method": method, "num_speculative_tokens": c.num_draft_tokens,
+                                         **self.spec_stats.as_dict(seq.stats.decode_seconds)}
+
+    def draft(self, checking: bool) -> Draft:
+        """The pass's draft chain (none without speculation); when a layer will be checked, every
+        row's speculative tokens go to the exit controller."""
+        drafter = self.drafter
+        if len(drafter.history) < len(self.history):  # the drafter lags by the tokens emitted since
+            drafter.extend(self.history[len(drafter.history):])
+        room = self.params.max_tokens - len(self.seq.output_ids) - len(self.unverified) - 1
+        n = min(self.dec.config.num_draft_tokens, room)
+        draft = self.no_draft if n <= 0 else drafter.draft(n, self.params, self.generator, self.model.cfg.vocab_size)
+        if checking:
+            candidates = drafter.propose()[None] if n <= 0 else drafter.row_candidates(draft)
+            self.exit.begin_pass(candidates, draft.tokens, len(self.history) - len(self.seq.prompt_ids))
+        return draft
 
     def step(self) -> None:
-        """Feed the last emitted token (at slot n) through the model until it exits; emit the next one."""
+        """Feed the last emitted token (at slot n) and the drafts after it through the model until
+        the pass exits; emit the accepted drafts and the next token."""
         model, stats, L = self.model, self.stats, self.num_layers
         n = len(self.history) - 1
-        t = self.timer.start()
-        if len(self.drafter.history) < len(self.history):  # the drafter lags by the tokens emitted since
-            self.drafter.extend(self.history[len(self.drafter.history):])
-        self.exit.begin_token(self.drafter.propose(), len(self.history) - len(self.seq.prompt_ids))
-        self.timer.stop("drafter", t)
-
         owed = len(self.unverified) if self.verifier else len(self.kv.pending)
-        forced = owed >= self.dec.config.max_pending  # this step runs every layer
+        forced = owed >= self.dec.config.max_pending  # this pass runs every layer
         stats.forced_full += forced
         check = self.exit.layers(self.scheduler)
-        waiting = self.kv.begin_step(n)  # carried rows, joined at their resume layers (older slots first)
-        active, h = [n], model.embed(self.next_ids)
-        step_in = model.range_inputs(n, 1)
-        self.cache.length = n + 1
+        checking = not forced and True in check  # else no candidates are needed (a draft model's extra step)
+        t = self.timer.start()
+        draft = self.draft(checking)
+        R = draft.tokens.shape[0] + 1  # the pass's own rows: x_n and its drafts
+        self.timer.stop("drafter", t)
+
+        waiting = self.kv.begin_step(n, R)  # carried rows, joined at their resume layers (older slots first)
+        active = list(range(n, n + R))
+        h = model.embed(self.next_ids if R == 1 else torch.cat([self.next_ids.view(1), draft.tokens]).view(1, R))
+        step_in = model.range_inputs(n, R)
+        self.cache.length = n + R
+        masked = self.kv.masks_layers
         for i in range(L):
             if waiting and waiting[0].resume == i:
                 h, active = join_rows(waiting, i, h, active)
                 step_in = model.range_inputs(active[0], len(active))
-            step_in = self.kv.layer_inputs(i, step_in, n)
+            if masked:
+                step_in = self.kv.layer_inputs(i, step_in, n)
             h_in, h = h, model.layer(i, h, step_in, self.cache)
-            if forced or not check[i]:
+            if not checking or not check[i]:
                 continue
-            hit = self.exit.try_exit(i, h_in[:, -1], h[:, -1])
+            hit = self.exit.try_exit(i, h_in[0, -R:], h[0, -R:])
+            self.scheduler.observe(i, hit is not None)
             if hit is not None:
                 stats.exits_accepted += 1
-                self.kv.after_exit(i, h, active, step_in)
-                self.emit_exit(hit)
+                tokens, ids = self.choose(hit.logits, draft, i, hit.tokens, hit.ids)
+                kept = len(active) - R + len(tokens)  # carried rows, x_n and the accepted drafts
+                self.kv.after_exit(i, h[:, :kept], active[:kept], model.range_inputs(active[0], kept))
+                self.cache.length = n + len(tokens)
+                self.emit_pass(tokens, ids, i, hit.logits, R - 1)
                 return
         self.kv.after_full_depth(active)
-        if self.verifier is not None:
-            final_logits = model.logits(h[0])  # [rows, V]: the carried rows verify what they emitted
-            stats.deep_passes += len(active) > 1
-            if not self.verifier.verify(active[:-1], final_logits[:-1], at_bound=forced):
+        if self.verifier is not None:  # the carried rows verify what they emitted
+            logits = model.logits(h[0])  # [rows, V]
+            stats.deep_passes += len(active) > R
+            if not self.verifier.verify(active[:-R], logits[:-R], at_bound=forced):
                 return
-            last = final_logits[-1:]
+            logits = logits[-R:]
         else:
-            last = model.logits(h[:, -1])
-        ids = sample(last, self.params, self.generator)
-        token = int(ids)
-        if self.teacher is not None:
-            token, ids = self.teacher(len(self.history) - len(self.seq.prompt_ids), token, L - 1, last), None
-        self.emit(token, L - 1, ids)
+            logits = model.logits(h[0, -R:])
+        tokens, ids = self.choose(logits, draft, L - 1)
+        self.cache.length = n + len(tokens)
+        self.emit_pass(tokens, ids, L - 1, logits, R - 1)
 
-    def emit_exit(self, hit: ExitHit) -> None:
-        """The token chosen at the exit layer: its argmax (greedy) or a draw from its distribution."""
-        token, ids, draft_probs = hit.token, hit.ids, None
-        if not self.params.greedy:
-            draft_probs = probabilities(hit.logits, self.params)
-            ids = torch.multinomial(draft_probs, 1, generator=self.generator)
-            token = int(ids)
+    def choose(self, logits: torch.Tensor, draft: Draft, layer: int, greedy_tokens: list[int] | None = None,
+               greedy_ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """The tokens a pass leaving after `layer` emits from its rows' logits [r, V] (the accepted
+        drafts and the next token; one host read) and the last one on the device. greedy_tokens:
+        already decided (an exit's argmaxes). A teacher's continuation replaces them from its
+        first difference."""
+        if greedy_tokens is not None and self.params.greedy:
+            tokens, ids = greedy_tokens, greedy_ids
+        else:
+            m = logits.shape[0] - 1
+            if draft.probs is None or self.params.greedy:
+                verdict = accept_chain(draft.tokens[:m], sample(logits, self.params, self.generator))
+            else:
+                verdict = accept_chain_sampled(draft.tokens[:m], draft.probs[:m], probabilities(logits, self.params),
+                                               self.generator)
+            accepted, *rest = verdict.tolist()
+            tokens, ids = rest[: accepted + 1], verdict[1 + accepted : 2 + accepted]
         if self.teacher is not None:
-            token, ids = self.teacher(len(self.history) - len(self.seq.prompt_ids), token, hit.layer, hit.logits), None
-        self.emit(token, hit.layer, ids, draft_probs)
+            base = len(self.history) - len(self.seq.prompt_ids)
+            for j, token in enumerate(tokens):
+                target = self.teacher(base + j, token, layer, logits[j:j + 1])
+                if target != token:
+                    return tokens[:j] + [target], None
+        return tokens, ids
+
+    def emit_pass(self, tokens: list[int], ids: torch.Tensor | None, exit_layer: int, logits: torch.Tensor,
+                  drafted: int) -> None:
+        """Emit a pass's tokens (the last one's id on the device); an EOS ends them. In lossless
+        mode an exited pass's tokens are held with the exit layer's distributions (sampling)."""
+        held_probs = None
+        if self.verifier is not None and not self.params.greedy and exit_layer < self.num_layers - 1:
+            held_probs = probabilities(logits[: len(tokens)], self.params)
+        emitted = 0
+        for j, token in enumerate(tokens):
+            last = j == len(tokens) - 1
+            self.emit(token, exit_layer, ids if last else None, None if held_probs is None else held_probs[j:j + 1])
+            emitted += 1
+            if self.seq.finished or (token in self.seq.eos_ids and not self.params.ignore_eos):
+                break
+        if self.spec_stats is not None:
+            self.spec_stats.record(drafted, min(len(tokens) - 1, emitted))
+        if drafted:
+            self.drafter.commit(tokens[:emitted], min(len(tokens) - 1, emitted))
 
     def flush(self) -> bool:
         """Complete the carried rows without a new token, to verify the last unverified tokens.

@@ -61,6 +61,30 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
+def merged_config(config: EarlyExitConfig, speculative_config: dict) -> EarlyExitConfig:
+    """The early-exit config that drafts `num_speculative_tokens` per pass with its own drafter;
+    refuses a speculative_config that drafter cannot serve, in one line."""
+    from dataclasses import replace
+
+    from ..spec.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(speculative_config)
+    why = None
+    if spec.method == "eagle":
+        why = ("the EAGLE head reads target layers an exited pass never computes; use method 'ngram' or "
+               "'draft_model' with exits")
+    elif spec.tree is not None:
+        why = "exits verify chains; drop 'tree'"
+    elif spec.method == "ngram" and (config.draft != "ngram" or spec.prompt_lookup_max != 3):
+        why = "method 'ngram' needs the early-exit drafter 'ngram' (and prompt_lookup_max 3, the bank's n-gram)"
+    elif spec.method == "draft_model" and (config.draft is None or Path(config.draft).expanduser().resolve()
+                                           != Path(spec.model).expanduser().resolve()):
+        why = f"method 'draft_model' drafts with the early-exit drafter; its model must be {config.draft!r}"
+    if why:
+        raise ValueError(f"speculative_config with early exit: {why}")
+    return replace(config, num_draft_tokens=spec.num_speculative_tokens)
+
+
 class LLM:
     """A loaded target model; with `early_exit`, decoding uses SpecEE early exiting.
 
@@ -71,6 +95,8 @@ class LLM:
     and cached under ~/.cache/specee/banks, keyed by the target's and drafter's fingerprints and the dtype.
     speculative_config: draft-and-verify speculative decoding, as in vLLM:
     {"method": "eagle" | "draft_model" | "ngram", "model": DIR, "num_speculative_tokens": N}.
+    Both together: SpecEE's exits inside the verification passes (the early-exit drafter drafts
+    the chains: method "ngram" with draft "ngram", or "draft_model" with the same model).
     """
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
@@ -91,17 +117,19 @@ class LLM:
         self.progress = progress
         self.engine = Engine(self._decode, batched=lambda: self.early_exit is None and self.speculative is None)
         self.early_exit: EarlyExitDecoder | None = None
-        if early_exit is not None:
-            self.enable_early_exit(early_exit)
         self.speculative = None
-        if speculative_config is not None:
+        if early_exit is not None:
+            self.enable_early_exit(early_exit, speculative_config)
+        elif speculative_config is not None:
             self.enable_speculative(speculative_config)
 
     # ---- speculative decoding (specee.spec) -----------------------------------------------
     def enable_speculative(self, config: dict | None) -> None:
-        """Draft-and-verify decoding with a vLLM-style speculative_config (see spec/config.py); None = off."""
+        """Draft-and-verify decoding with a vLLM-style speculative_config (see spec/config.py); None = off.
+        With early exit on, its exits move into the verification passes."""
         if config is not None and self.early_exit is not None:
-            raise ValueError("speculative_config and early_exit cannot be combined (yet); choose one")
+            self.enable_early_exit(self.early_exit.config, config)
+            return
         from ..spec.config import make_decoder
 
         self.speculative = None if config is None else make_decoder(self, config)
@@ -115,7 +143,10 @@ class LLM:
         return DraftModelDrafter(draft, self.tokenizer, k, self.model.device, self.model.dtype,
                                  target_dir=self.model_dir, quantization=self.quantization)  # cache grows per request
 
-    def enable_early_exit(self, config: EarlyExitConfig) -> None:
+    def enable_early_exit(self, config: EarlyExitConfig, speculative_config: dict | None = None) -> None:
+        """SpecEE early exit; with a speculative_config, inside draft-and-verify passes."""
+        if speculative_config is not None:
+            config = merged_config(config, speculative_config)
         drafter = self.make_drafter(config.draft, config.k)
         if config.bank is not None:
             bank = PredictorBank.load(config.bank, expect_target=self.fingerprint,

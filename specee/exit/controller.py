@@ -1,10 +1,24 @@
-"""Where a token exits: SpecEE's decision after a decoder layer.
+"""Where a token exits: SpecEE's decision after a decoder layer, for the rows of one pass.
 
-At a scheduled layer the predictor reads the k speculative tokens' features (exit/features.py)
-and fires when its probability is over the layer's threshold: one device read. When it fires,
-one full LM head at that layer gives the argmax, and the token exits only if that argmax is
-among the speculative tokens; membership and the token come back in a second single read.
-The decode loop asks `try_exit` after each layer and stops at the first hit.
+A pass feeds rows [x_n, d_1..d_m]: the last committed token and m draft tokens (m = 0 in
+one-token early exit). Row j's output predicts position n+j+1; its speculative tokens are
+the drafter's top-k there (`Drafter.row_candidates`). At a scheduled layer:
+
+  1. the predictors read every row's features (exit/features.py) in one batch: fire[j];
+  2. each row's choice at this layer is its best speculative token; the drafts the choices
+     agree with give the layer's tentative acceptance a (verify.accept_chain);
+  3. the pass settles when every row that can still be accepted (rows 0..a: a row past the
+     first disagreement is built on a draft this layer already rejects) has fired, here or at
+     an earlier checked layer of this pass (rows settle at different depths, as tokens do).
+     Steps 1-3 end in one device read (settled, a);
+  4. a settled pass pays the full LM head for rows 0..a at this layer (it replaces the final
+     one) and exits only if each row's argmax, up to the acceptance the argmaxes give, is one
+     of its speculative tokens: a second read, which also returns the accepted tokens. If not,
+     the predictors were wrong: every row is unsettled again.
+
+Why the rule is right: a row matters only if every draft before it is accepted, and then its
+history equals the target's own continuation, which is what calibration recorded; so each
+row's exit is the one-token exit decision at that position, made at a shared layer.
 
 Tests inject `ForcedExits` (a rule of (token index, layer)) instead of the predictors, so the
 hot loop holds no test hooks.
@@ -18,6 +32,7 @@ import torch
 
 from ..clock import StageTimer
 from ..model.llama import Transformer
+from ..spec.verify import accept_chain
 from .bank import PredictorBank
 from .features import exit_features, spec_rows
 from .scheduler import TwoLevelScheduler
@@ -26,56 +41,72 @@ from .scheduler import TwoLevelScheduler
 @dataclass
 class ExitHit:
     layer: int
-    token: int  # the layer's argmax (one of the speculative tokens)
-    ids: torch.Tensor  # the same, [1], on the device: the next step's input without a host-to-device copy
-    logits: torch.Tensor  # [1, V] at that layer: the draft distribution for sampling and lossless
+    tokens: list[int]  # the tokens the pass emits: accepted drafts, then the layer's own choice (greedy)
+    ids: torch.Tensor  # the last of them, [1], on the device: the next pass's input without a host-to-device copy
+    logits: torch.Tensor  # [len(tokens), V] at that layer: the distributions for sampling and lossless
 
 
 class ExitController:
-    """Runs the predictors of the scheduled layers and confirms a firing one with the LM head."""
+    """Runs the predictors of the scheduled layers over a pass's rows and confirms a settled pass
+    with the LM head."""
 
     def __init__(self, model: Transformer, bank: PredictorBank, thresholds: list[float]):
         self.model, self.bank = model, bank.to(model.device, torch.float32)  # trained and thresholded in float32
         self.thresholds = thresholds
-        self.spec = self.rows = None
+        self.candidates = self.rows = self.draft = None
         self.predictor_calls = self.rejected = 0
-        self.timer = StageTimer(model.device)  # "predictors" and "verification" (the LM head of a firing layer)
+        self.timer = StageTimer(model.device)  # "predictors" and "verification" (the LM head of a settled layer)
 
     def layers(self, scheduler: TwoLevelScheduler) -> list[bool]:
-        """Per layer: whether to ask `try_exit` after it for this token."""
+        """Per layer: whether to ask `try_exit` after it for this pass."""
         return scheduler.layers()
 
-    def begin_token(self, spec: torch.Tensor, token_index: int) -> None:
-        """spec: the drafter's k proposals [k] (device); gathers their LM-head rows once per token."""
-        self.spec, self.rows = spec, spec_rows(self.model, spec)
+    def begin_pass(self, candidates: torch.Tensor, draft: torch.Tensor, token_index: int) -> None:
+        """candidates [R, k]: each row's speculative tokens; draft [R - 1]: the pass's draft tokens;
+        token_index: the position of row 0's prediction among the generated tokens. Gathers the
+        candidates' LM-head rows once per pass; every checked layer reuses them."""
+        self.candidates, self.draft = candidates, draft
+        self.rows = spec_rows(self.model, candidates)  # [R, k, H]
+        self.needed = torch.arange(candidates.shape[0], device=candidates.device)
+        self.fired = torch.zeros(candidates.shape[0], dtype=torch.bool, device=candidates.device)
 
-    def fires(self, layer: int, h_in: torch.Tensor, h: torch.Tensor) -> bool:
-        """The predictor of `layer` on its input h_in and output h ([1, H]): one device read."""
-        feats = exit_features(self.model, h_in, h, self.rows)
-        return bool(self.bank.prob(layer, feats) > self.thresholds[layer])
+    def fires(self, layer: int, feats: torch.Tensor) -> torch.Tensor:
+        """The predictor of `layer` on the rows' features [R, 3k]: [R] bool."""
+        return self.bank.prob(layer, feats) > self.thresholds[layer]
 
     def try_exit(self, layer: int, h_in: torch.Tensor, h: torch.Tensor) -> ExitHit | None:
-        """Whether the token leaves after `layer` (h_in, h: that layer's input and output, [1, H])."""
+        """Whether the pass leaves after `layer` (h_in, h: that layer's input and output of the
+        pass's rows, [R, H])."""
         t = self.timer.start()
         self.predictor_calls += 1
-        fire = self.fires(layer, h_in, h)
+        feats = exit_features(self.model, h_in, h, self.rows)  # [R, 3k]; the first k: the candidates' logits
+        fired = self.fired.logical_or_(self.fires(layer, feats))
+        best = self.candidates.gather(1, feats[:, : self.candidates.shape[1]].argmax(dim=-1, keepdim=True))
+        accepted = accept_chain(self.draft, best.view(-1))[0]
+        settled = (fired | (self.needed > accepted)).all()
+        settled, a = torch.stack([settled.long(), accepted]).tolist()  # one read
         self.timer.stop("predictors", t)
-        if not fire:
+        if not settled:
             return None
         t = self.timer.start()
-        logits = self.model.logits(h)
+        logits = self.model.logits(h[: a + 1])  # [a + 1, V]: replaces the final LM head for these rows
         choice = logits.argmax(dim=-1)
-        among, token = torch.stack([(self.spec == choice).any().long(), choice[0]]).tolist()  # one read
+        verdict = accept_chain(self.draft[:a], choice)  # the argmaxes may accept fewer drafts
+        among = (self.candidates[: a + 1] == choice[:, None]).any(dim=-1)
+        ok = (among | (self.needed[: a + 1] > verdict[0])).all()
+        ok, accepted, *tokens = torch.cat([ok.long().view(1), verdict]).tolist()  # one read
         self.timer.stop("verification", t)
-        if not among:
+        if not ok:
             self.rejected += 1
+            self.fired.zero_()
             return None
-        return ExitHit(layer, token, choice, logits)
+        return ExitHit(layer, tokens[: accepted + 1], choice[accepted : accepted + 1], logits[: accepted + 1])
 
 
 class ForcedExits(ExitController):
-    """Exits decided by `rule(token_index, layer)` instead of the predictors (asked at every layer
-    but the last, whatever the schedule); the argmax must still be a speculative token."""
+    """Exits decided by `rule(token index, layer)` instead of the predictors (asked at every layer
+    but the last, whatever the schedule): every row of the pass fires together; argmaxes must
+    still be speculative tokens."""
 
     def __init__(self, model: Transformer, bank: PredictorBank, thresholds: list[float],
                  rule: Callable[[int, int], bool]):
@@ -86,9 +117,9 @@ class ForcedExits(ExitController):
     def layers(self, scheduler: TwoLevelScheduler) -> list[bool]:
         return self.every_layer
 
-    def begin_token(self, spec: torch.Tensor, token_index: int) -> None:
-        super().begin_token(spec, token_index)
+    def begin_pass(self, candidates: torch.Tensor, draft: torch.Tensor, token_index: int) -> None:
+        super().begin_pass(candidates, draft, token_index)
         self.token_index = token_index
 
-    def fires(self, layer: int, h_in: torch.Tensor, h: torch.Tensor) -> bool:
-        return self.rule(self.token_index, layer)
+    def fires(self, layer: int, feats: torch.Tensor) -> torch.Tensor:
+        return torch.full((feats.shape[0],), self.rule(self.token_index, layer), device=feats.device)

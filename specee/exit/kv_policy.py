@@ -9,7 +9,8 @@ layers. The three answers (see ../shared/notes/early-exit-kv.md):
   step's forward, so every K/V entry equals the full model's before anyone reads it (the
   basis of lossless mode: a carried row that completes the last layer verifies its token).
 
-The decode loop (engine/early_exit.py) calls the same hooks whatever the policy; each
+The decode loop (engine/early_exit.py) calls the same hooks whatever the policy, for a pass of
+one row (early exit) or several (a verification pass: the last token and its drafts); each
 policy also keeps the cache's per-layer fill state (`cache.filled`) true.
 """
 from __future__ import annotations
@@ -36,13 +37,15 @@ class KVPolicy:
     """The hooks a step calls; the defaults are those of a policy with no holes and no carried rows."""
 
     name: ClassVar[str]
+    masks_layers: ClassVar[bool] = False  # True: `layer_inputs` must be asked at every layer (skip's holes)
 
     def __init__(self, model: Transformer, cache: KVCache):
         self.model, self.cache, self.num_layers = model, cache, model.cfg.num_layers
         self.pending: list[Pending] = []  # carried rows (recompute only)
 
-    def begin_step(self, n: int) -> list[Pending]:
-        """A step feeds the token at slot n; returns the carried rows that join it, by resume layer."""
+    def begin_step(self, n: int, rows: int = 1) -> list[Pending]:
+        """A pass feeds `rows` rows at slots n..n+rows-1; returns the carried rows that join it, by
+        resume layer."""
         return []
 
     def layer_inputs(self, layer: int, step_in: StepInputs, n: int) -> StepInputs:
@@ -50,8 +53,9 @@ class KVPolicy:
         return step_in
 
     def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
-        """The rows at `active` slots left after layer e (h: their hidden states [1, rows, H])."""
-        self.cache.filled[:, 0, active[-1]] = True
+        """The rows at `active` slots (contiguous) left after layer e (h: their hidden states
+        [1, rows, H]; step_in: their inputs)."""
+        self.cache.filled[:, 0, active[0]:active[-1] + 1] = True
 
     def after_full_depth(self, active: list[int]) -> None:
         """The rows at `active` slots ran every layer."""
@@ -65,17 +69,21 @@ class KVPolicy:
 
 class SkipKV(KVPolicy):
     name = "skip"
+    masks_layers = True
 
-    def begin_step(self, n: int) -> list[Pending]:
-        self.cache.filled[:, 0, n] = True  # own slot readable; unmarked past the exit
+    def begin_step(self, n: int, rows: int = 1) -> list[Pending]:
+        self.cache.filled[:, 0, n:n + rows] = True  # own slots readable; unmarked past the exit
         return []
 
     def layer_inputs(self, layer: int, step_in: StepInputs, n: int) -> StepInputs:
-        step_in.mask = self.cache.filled[layer, :, None, None, : n + 1]
+        if step_in.slots.shape[0] == 1:  # one row: the slots this layer holds, no causal part
+            step_in.mask = self.cache.filled[layer, :, None, None, : n + 1]
+        else:
+            step_in.mask = self.cache.attention_mask(layer, step_in.slots, step_in.kv_len)
         return step_in
 
     def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
-        self.cache.filled[e + 1:, 0, active[-1]] = False
+        self.cache.filled[e + 1:, 0, active[0]:active[-1] + 1] = False
 
     def after_full_depth(self, active: list[int]) -> None:
         pass  # begin_step marked every layer
@@ -87,13 +95,13 @@ class PropagateKV(KVPolicy):
     def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
         for j in range(e + 1, self.num_layers):
             self.model.project_kv(j, h, step_in, self.cache)
-        self.cache.filled[:, 0, active[-1]] = True
+        super().after_exit(e, h, active, step_in)
 
 
 class RecomputeKV(KVPolicy):
     name = "recompute"
 
-    def begin_step(self, n: int) -> list[Pending]:
+    def begin_step(self, n: int, rows: int = 1) -> list[Pending]:
         return sorted(self.pending, key=lambda p: (p.resume, p.slot))
 
     def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
