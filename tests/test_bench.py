@@ -709,3 +709,57 @@ def test_llama_cpp_peer_decodes_the_same_gguf_greedily():
         logits = model.logits(h)[0, len(ids) - 1:-1]
     ranks = (logits > logits.gather(1, torch.tensor(run.token_ids)[:, None])).sum(1)
     assert int(ranks.max()) < 5, (ranks.tolist(), llm.tokenizer.decode(run.token_ids))
+
+
+class ScriptedDrafter:
+    """Drafts a known continuation, wrong at positions 1, 4, 7, ... (for the pass oracle)."""
+
+    def __init__(self, continuation: list[int]):
+        self.continuation, self.history = continuation, []
+
+    def reset(self, prompt_ids, max_new_tokens=None):
+        self.prompt, self.history = len(prompt_ids), list(prompt_ids)
+
+    def draft(self, n, params, generator, width):
+        from specee.drafters.base import Draft
+
+        at = len(self.history) - self.prompt
+        tokens = [t if (at + j) % 3 != 1 else -1 for j, t in enumerate(self.continuation[at:at + n])]
+        return Draft(torch.tensor(tokens, dtype=torch.long))
+
+    def commit(self, tokens, matched, features=None):
+        self.history += tokens
+
+    def extend(self, tokens):
+        self.history += tokens
+
+
+def test_pass_depths_by_hand():
+    """Passes of 2 drafts over 7 positions where the drafts for positions 1 and 4 are wrong: each
+    pass accepts the drafts before a wrong one, emits one more token and stops at its deepest row."""
+    from specee.bench.oracle import _passes, pass_depths
+
+    cont = [10, 11, 12, 13, 14, 15, 16]
+    layers = torch.tensor([3, 1, 5, 2, 2, 4, 1])
+    passes = pass_depths(ScriptedDrafter(cont), [1, 2], cont, layers, draft_tokens=2)
+    # p=0: draft for 1 wrong -> [10, 11], max(3, 1); p=2: [12, 13, 14], max(5, 2, 2); p=5: one draft -> [15, 16]
+    assert passes == [(2, 3), (3, 5), (2, 4)]
+    summary = _passes(passes, 6, 2)
+    assert summary["tokens"] == 7 and summary["bound"] == pytest.approx(6 * 3 / 12)
+
+
+def test_cli_speed_merged(tmp_path, llm, banks, capsys):
+    """A speculative config the n-gram exit drafter can draft for also runs with SpecEE's exits in
+    its verification passes: lossy exits happen at the only enabled layer, lossless stays identical."""
+    out = tmp_path / "speed-merged"
+    run_cli(["bench", "speed", *common_args(out), "--bank", banks["layer0_k4"][0], "--max-new-tokens", "12",
+             "--repeats", "1", "--warmup", "0", "--policies", "recompute", "--no-hf", "--check-cost", "0",
+             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], capsys)
+    r = json.loads((out / "report.json").read_text())
+    assert r["order"] == ["full", "ee-recompute", "lossless", "spec-ngram-n2", "spec-ngram-n2+ee-recompute",
+                          "spec-ngram-n2+ee-lossless"]
+    lossy, lossless = r["configs"]["spec-ngram-n2+ee-recompute"], r["configs"]["spec-ngram-n2+ee-lossless"]
+    assert lossy["exits_accepted"] > 0 and lossy["speculative"]["target_passes"] > 0
+    assert set(lossy["exit_histogram"][1:-1]) == {0}  # layer 0 (index 0) or full depth, nothing between
+    assert r["identity"]["spec-ngram-n2+ee-lossless"]["all_identical"] is True
+    assert lossless["speculative"]["drafts"] > 0

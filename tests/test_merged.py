@@ -241,3 +241,21 @@ def test_one_host_read_per_checked_layer_in_a_verification_pass(tiny):
 def test_speculation_the_exit_drafter_cannot_serve_is_refused(tiny, spec, message):
     with pytest.raises(ValueError, match=message):
         tiny.enable_early_exit(EarlyExitConfig(draft="ngram"), spec)
+
+
+def test_cli_generate_with_exits_inside_speculation(tiny, tmp_path, capsys):
+    import json
+
+    from specee.cli import main
+
+    L = tiny.model.cfg.num_layers
+    never_bank(L, 4, target=tiny.fingerprint, drafter="ngram-n3").save(tmp_path / "bank")
+    base = ["generate", "--model", str(tiny.model_dir), "--prompt", "Once upon a time", "--no-chat", "--json",
+            "--max-new-tokens", "12", "--draft", "ngram", "--bank", str(tmp_path / "bank")]
+    assert main(base + ["--speculative-config", json.dumps(SPEC)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    expected = tiny.generate("Once upon a time", SamplingParams(max_tokens=12))[0].token_ids
+    assert report["token_ids"] == expected
+    assert report["stats"]["speculative"]["num_speculative_tokens"] == 3 and "early_exit" in report["stats"]
+    assert main(base + ["--speculative-config", '{"method": "ngram", "tree": {"topk": 2}}']) == 2
+    assert "specee: error: speculative_config" in capsys.readouterr().err

@@ -2,16 +2,31 @@
 
 `add_request` queues a Sequence; `step()` advances the running batch by one decode step (a
 full-depth step of every row, one early-exit token, or one draft-verify round) and returns
-the sequences that finished in it. The scheduler forms a batch when nothing runs: full depth
-takes every waiting request (each row keeps its own SamplingParams); early exit and
-speculative decoding decide per token and take one request at a time. `LLM.generate` and
-`LLM.stream` are loops over `step()` in the caller's thread.
+the sequences that finished in it. Full depth batches continuously: a request added while a
+full-depth batch runs joins it at the next step, and finished requests leave it (each row keeps
+its own SamplingParams). Early exit and speculative decoding decide per token and take one request
+at a time. `LLM.generate` and `LLM.stream` are loops over `step()` in the caller's thread.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Protocol, cast
+
 from .sequence import Sequence
+
+
+class ContinuousBatch(Protocol):
+    """What a batched decoder returns (full_depth.FullDepthBatch): an iterator of steps that takes
+    newcomers and lets a request go between steps."""
+
+    def __next__(self) -> None: ...
+
+    def add(self, seqs: list[Sequence]) -> None: ...
+
+    def drop(self, seq: Sequence) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Scheduler:
@@ -31,14 +46,17 @@ class Scheduler:
 class Engine:
     """Steps the decoder chosen at admission over the scheduler's batches.
 
-    decode(batch): a generator yielding after each step of the batch (engine/full_depth.py,
-    engine/early_exit.py, spec/speculative.py); batched(): whether that decoder takes batches."""
+    decode(batch): the decoder's steps over a new batch: a generator yielding after each step
+    (engine/early_exit.py, spec/speculative.py), or, where batched() held at admission, a
+    ContinuousBatch (engine/full_depth.py) that later requests join while batched() still holds.
+    running: the requests in the running batch that have not finished."""
 
     def __init__(self, decode: Callable[[list[Sequence]], Iterator[None]], batched: Callable[[], bool]):
         self.decode, self.batched = decode, batched
         self.scheduler = Scheduler()
         self.running: list[Sequence] = []
         self._steps: Iterator[None] | None = None
+        self._batch: ContinuousBatch | None = None  # the running batch, when it takes newcomers
 
     def add_request(self, seq: Sequence) -> None:
         self.scheduler.waiting.append(seq)
@@ -47,28 +65,45 @@ class Engine:
         return bool(self.running or self.scheduler.waiting)
 
     def step(self) -> list[Sequence]:
-        """One step of the running batch (admitting the next one if none runs); returns the
-        sequences that finished in it."""
+        """One step of the running batch (admitting waiting requests into it, or forming the next
+        batch if none runs); returns the sequences that finished in it."""
         if not self.running:
             if not self.scheduler.waiting:
                 return []
-            self.running = self.scheduler.next_batch(self.batched())
-            self._steps = self.decode(self.running)
-        before = [s.finished for s in self.running]
-        done = next(self._steps, StopIteration) is StopIteration
-        finished = [s for s, was in zip(self.running, before) if s.finished and not was]
-        if done or all(s.finished for s in self.running):
+            batched = self.batched()
+            batch = self.scheduler.next_batch(batched)
+            self._steps = self.decode(batch)
+            self._batch = cast(ContinuousBatch, self._steps) if batched else None
+            self.running = batch
+        elif self.scheduler.waiting and self._batch is not None and self.batched():
+            newcomers = self.scheduler.next_batch(True)
+            self._batch.add(newcomers)  # refuses them all, before any work, if one does not fit
+            self.running += newcomers
+        try:
+            done = next(self._steps, StopIteration) is StopIteration
+        except BaseException:
+            self._close()  # a decoder that raised is done: its requests cannot go on
+            raise
+        finished = [s for s in self.running if s.finished]
+        if finished:
+            self.running = [s for s in self.running if not s.finished]
+        if done or not self.running:
             self._close()
         return finished
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request (a closed stream): a running batch that holds it stops decoding."""
-        if seq in self.running:
-            self._close()
-        elif seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
+        """Drop a request (a closed stream): a continuous batch lets it go and runs on; any other
+        batch that holds it stops decoding."""
+        if any(s is seq for s in self.running):
+            if self._batch is not None and len(self.running) > 1:
+                self._batch.drop(seq)
+                self.running = [s for s in self.running if s is not seq]
+            else:
+                self._close()
+        else:  # by identity: two requests with the same prompt and parameters compare equal
+            self.scheduler.waiting = deque(s for s in self.scheduler.waiting if s is not seq)
 
     def _close(self) -> None:
         if self._steps is not None:
-            self._steps.close()  # runs the decoder's finally: its timing and stats
-        self.running, self._steps = [], None
+            self._steps.close()  # runs the decoder's own bookkeeping: its timing and stats
+        self.running, self._steps, self._batch = [], None, None

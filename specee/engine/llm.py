@@ -223,7 +223,7 @@ class LLM:
         (seq,) = self._sequences(prompt, sampling_params, chat)
         self.engine.add_request(seq)
         try:
-            while self.engine.has_unfinished():
+            while not seq.finished and self.engine.has_unfinished():  # other requests may run on
                 self.engine.step()
                 if delta := seq.take_stream_delta():
                     yield delta
@@ -240,10 +240,13 @@ class LLM:
         return self.early_exit.teacher_forced(seq, continuation)
 
     def _decode(self, seqs: list[Sequence]) -> Iterator[None]:
-        """The decoder this LLM is configured with, stepped over `seqs`."""
+        """The decoder this LLM is configured with, stepped over `seqs`: at full depth a batch that
+        later requests join (engine/full_depth.py), else a generator over one request at a time."""
         if self.early_exit is None and self.speculative is None:
-            yield from decode_full_depth(self.model, seqs)
-            return
+            return decode_full_depth(self.model, seqs)
         decoder = self.speculative or self.early_exit  # both decide per token: one request at a time
-        for seq in seqs:
-            yield from decoder.steps(seq)
+
+        def one_at_a_time() -> Iterator[None]:
+            for seq in seqs:
+                yield from decoder.steps(seq)  # `yield from`: closing this closes the request's steps
+        return one_at_a_time()
