@@ -471,6 +471,13 @@ def test_cost_breakdown_known_numbers():
     assert ee["layers_needed"]["1"] == pytest.approx(6) and ee["layers_needed"]["1.2"] == pytest.approx(8 / 3)
     assert ee["layers_needed"]["1.5"] < 0  # 1.5x would need the drafter and the rest to fit in 6.67 ms: no
     assert cost_breakdown({"ee": configs["ee"]}, 0.5, 10)["configs"] == {}  # nothing to compare with
+    # exits inside speculation: 100 tokens in 40 passes of mean depth 8 -> 3.2 layers per token;
+    # predictors 1 ms per token over 100 tokens and 50 checks -> 2 ms per check = 4 layers
+    configs["merged"] = dict(configs["ee"], mean_exit_layer=8.0, decode_steps=100, predictor_calls=50,
+                             speculative={"target_passes": 40})
+    merged = cost_breakdown(configs, 0.5, 10)["configs"]["merged"]
+    assert (merged["passes_per_token"], merged["layers_ms"]) == pytest.approx((0.4, 1.6))
+    assert (merged["check_ms"], merged["check_layers"]) == pytest.approx((2.0, 4.0))
 
 
 def test_cli_quality(tmp_path, llm, banks, capsys):

@@ -12,7 +12,9 @@ each configuration's time per decode token into those parts, and from them deriv
   requires (below 0: unreachable whatever the depth).
 
 `other` of full depth stands in for early exit's non-layer, non-drafter time in both; the
-split of each early-exit run shows how close that is.
+split of each early-exit run shows how close that is. A configuration with exits inside
+speculative verification runs its layers once per pass, not per token: its layers per token are
+the mean exit layer x passes per token. A predictor check's cost is also given in layers.
 """
 from __future__ import annotations
 
@@ -71,7 +73,11 @@ def cost_breakdown(configs: dict[str, dict[str, Any]], layer: float, num_layers:
         share = c.get("time_share", {})
         parts = {f"{p}_ms": share.get(p, 0.0) * total for p in ("drafter", "predictors", "verification")}
         depth = c.get("mean_exit_layer", num_layers)
-        layers_ms = depth * layer
+        spec, steps = c.get("speculative"), c.get("decode_steps") or 0
+        passes_per_token = spec["target_passes"] / steps if spec and steps else 1.0
+        layers_ms = depth * layer * passes_per_token
+        calls = c.get("predictor_calls") or 0
+        check_ms = parts["predictors_ms"] * steps / calls if calls else None
         drafter = parts["drafter_ms"]
 
         def ceiling(m: float) -> float:
@@ -81,6 +87,8 @@ def cost_breakdown(configs: dict[str, dict[str, Any]], layer: float, num_layers:
         out["configs"][name] = {
             "total_ms": total, "layers_ms": layers_ms, **parts,
             "other_ms": total - layers_ms - sum(parts.values()),
+            "passes_per_token": passes_per_token,
+            "check_ms": check_ms, "check_layers": check_ms / layer if check_ms is not None and layer > 0 else None,
             "ceiling_at_this_depth": ceiling(depth),
             "ceiling_at_oracle_depth": ceiling(oracle_layers) if oracle_layers is not None else None,
             "ceiling_without_drafter_at_oracle_depth":
@@ -98,13 +106,14 @@ def cost_markdown(cost: dict[str, Any], labels: dict[str, str]) -> str:
     rows = []
     for name, c in cfgs.items():
         rows.append([labels.get(name, name), c["total_ms"], c["layers_ms"], c.get("drafter_ms"), c.get("predictors_ms"),
-                     c.get("verification_ms"), c["other_ms"]])
+                     c.get("verification_ms"), c["other_ms"], c.get("check_ms"), c.get("check_layers")])
     lines = ["## Where the time goes (ms per decode token)", "",
              f"One decoder layer costs {layer:.3f} ms on the decode path (measured: steps through all {L} layers vs "
-             f"half of them). Layers = mean layers run x that; other = embedding, LM head, sampling, bookkeeping "
-             "(and, for recompute, the carried rows).", "",
-             md_table(["configuration", "total", "layers", "drafter", "predictors", "verification", "other"], rows,
-                      digits=2), ""]
+             f"half of them). Layers = mean layers run x that (x passes per token with speculation); other = "
+             "embedding, LM head, sampling, bookkeeping (and, for recompute, the carried rows). One check: a "
+             "predictor call's cost, in ms and in layers.", "",
+             md_table(["configuration", "total", "layers", "drafter", "predictors", "verification", "other",
+                       "one check (ms)", "one check (layers)"], rows, digits=2), ""]
     ee = [n for n in cfgs if n != "full"]
     if ee:
         head = ["configuration", "ceiling at its depth"]
