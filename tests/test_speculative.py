@@ -16,7 +16,7 @@ from specee.drafters.ngram import NGramDrafter
 from specee.engine.sequence import Sequence
 from specee.sampling import SamplingParams
 from specee.spec import SpeculativeDecoder, TreeShape
-from specee.spec import speculative as speculative_module
+from specee.spec import verify as verify_module
 from specee.spec.config import SpeculativeConfig
 from specee.spec.verify import accept_chain_sampled, accept_tree
 
@@ -283,7 +283,7 @@ def test_sampled_speculation_has_the_targets_joint_distribution(tiny_llm, method
     assert accepted > N // 4  # drafts were accepted (and, below, rejected) often enough to matter
     assert chi_square_p_value(counts, probs) > 1e-3
     if method == "draft_model":
-        monkeypatch.setattr(speculative_module, "accept_chain_sampled", biased_accept)
+        monkeypatch.setattr(verify_module, "accept_chain_sampled", biased_accept)
         biased, _ = frequencies(d)
         assert chi_square_p_value(biased, probs) < 1e-6
 

@@ -27,9 +27,9 @@ from ..exit.lossless import LosslessVerifier
 from ..exit.scheduler import ExitPayoff, TwoLevelScheduler
 from ..exit.stats import ExitStats
 from ..model.llama import Transformer
-from ..sampling import probabilities, sample
+from ..sampling import probabilities
 from ..spec.speculative import SpecStats
-from ..spec.verify import accept_chain, accept_chain_sampled
+from ..spec.verify import verify_chain
 from .full_depth import check_fits, prefill
 from .sequence import Sequence
 
@@ -322,12 +322,7 @@ class DecodeRun:
         if greedy_tokens is not None and self.params.greedy:
             tokens, ids = greedy_tokens, greedy_ids
         else:
-            m = logits.shape[0] - 1
-            if draft.probs is None or self.params.greedy:
-                verdict = accept_chain(draft.tokens[:m], sample(logits, self.params, self.generator))
-            else:
-                verdict = accept_chain_sampled(draft.tokens[:m], draft.probs[:m], probabilities(logits, self.params),
-                                               self.generator)
+            verdict = verify_chain(draft.tokens, draft.probs, logits, self.params, self.generator)
             accepted, *rest = verdict.tolist()
             tokens, ids = rest[: accepted + 1], verdict[1 + accepted : 2 + accepted]
         if self.teacher is not None:

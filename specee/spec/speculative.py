@@ -24,9 +24,9 @@ from ..engine.full_depth import check_fits
 from ..engine.sequence import Sequence
 from ..model.kv_cache import KVCache
 from ..model.llama import StepInputs, Transformer
-from ..sampling import probabilities, sample
+from ..sampling import sample
 from .tree import TreeGrower, TreeShape, compact, tree_inputs
-from .verify import accept_chain, accept_chain_sampled, accept_tree
+from .verify import accept_tree, verify_chain
 
 
 def forward_rows(model: Transformer, tokens: torch.Tensor, step: StepInputs, cache: KVCache,
@@ -164,11 +164,7 @@ class SpeculativeDecoder:
             rows = torch.cat([last, draft.tokens])[None, :]
             h, feats = forward_rows(model, rows, model.range_inputs(n, k + 1), cache, drafter.feature_layers)
             logits = model.logits(h[0])  # [k + 1, V]
-            if draft.probs is None or params.greedy:
-                verdict = accept_chain(draft.tokens, sample(logits, params, self.generator))
-            else:
-                verdict = accept_chain_sampled(draft.tokens, draft.probs, probabilities(logits, params),
-                                               self.generator)
+            verdict = verify_chain(draft.tokens, draft.probs, logits, params, self.generator)
             accepted, *tokens = verdict.tolist()  # the step's one host read
             emitted = tokens[: accepted + 1]
             cache.length = n + accepted + 1  # keep x_n and the accepted drafts; later slots are overwritten

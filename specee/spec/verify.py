@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import SamplingParams, probabilities, sample
 from .tree import Tree
 
 
@@ -47,6 +48,17 @@ def accept_chain_sampled(draft: torch.Tensor, draft_probs: torch.Tensor, target_
     bonus = torch.multinomial(residual, 1, generator=generator).view(1)
     tokens = torch.cat([draft, bonus]).index_copy(0, accepted, bonus)  # t_j = d_j for j < a, t_a = bonus
     return torch.cat([accepted, tokens])
+
+
+def verify_chain(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
+                 params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The verdict for a chain from the target's logits over its rows [r, V] (r - 1 drafts are
+    judged: a pass that left early may judge fewer than were drafted): greedy or point-mass drafts
+    by matching the target's choices, sampled drafts by speculative sampling."""
+    m = logits.shape[0] - 1
+    if draft_probs is None or params.greedy:
+        return accept_chain(draft_tokens[:m], sample(logits, params, generator))
+    return accept_chain_sampled(draft_tokens[:m], draft_probs[:m], probabilities(logits, params), generator)
 
 
 def accept_tree(tree: Tree, choices: torch.Tensor) -> torch.Tensor:
