@@ -121,10 +121,10 @@ class OracleAllTokens(LookupAllTokens):
         return Draft(torch.tensor(tokens, dtype=torch.long))
 
 
-def layer_two_tokens(llm, ids: list[int], n: int, policy: str = "recompute") -> list[int]:
-    """One-token early exit with every token forced out after layer 2."""
+def layer_two_tokens(llm, ids: list[int], n: int, policy: str = "recompute", layer: int = 2) -> list[int]:
+    """One-token greedy early exit with every token forced out after `layer`."""
     one = decoder(llm, LookupAllTokens(llm.model.cfg.vocab_size), kv_policy=policy, max_pending=64)
-    return generate(llm, one, ids, n, forced(one, lambda step, layer: layer == 2))[0].output_ids
+    return generate(llm, one, ids, n, forced(one, lambda step, at: at == layer))[0].output_ids
 
 
 @pytest.mark.parametrize("policy", ["recompute", "propagate", "skip"])
@@ -259,3 +259,41 @@ def test_cli_generate_with_exits_inside_speculation(tiny, tmp_path, capsys):
     assert report["stats"]["speculative"]["num_speculative_tokens"] == 3 and "early_exit" in report["stats"]
     assert main(base + ["--speculative-config", '{"method": "ngram", "tree": {"topk": 2}}']) == 2
     assert "specee: error: speculative_config" in capsys.readouterr().err
+
+
+def test_lossless_sampling_in_passes_keeps_the_models_joint_distribution(tiny):
+    """Sampled passes of two drafts (layer 0's greedy continuation, so some are accepted) exit at layer 0
+    and their tokens stay unverified until the full model checks them: the three tokens'
+    empirical distribution must match the full model's p(t1) p(t2 | t1) p(t3 | t1 t2)."""
+    from collections import Counter
+
+    from specee.sampling import probabilities
+
+    model, L = tiny.model, tiny.model.cfg.num_layers
+    ids = tiny.encode("Once upon a time")
+    sp = SamplingParams(temperature=1.0, top_k=2)
+    with torch.inference_mode():
+        def dist(history):
+            return probabilities(model.logits(model.hidden_states(history)[L, -1:]), sp)[0]
+
+        joint = {}
+        p1 = dist(ids)
+        for t1 in p1.nonzero().flatten().tolist():
+            p2 = dist(ids + [t1])
+            for t2 in p2.nonzero().flatten().tolist():
+                p3 = dist(ids + [t1, t2])
+                joint.update({(t1, t2, t3): float(p1[t1] * p2[t2] * p3[t3]) for t3 in p3.nonzero().flatten().tolist()})
+    drafter = OracleAllTokens(model.cfg.vocab_size, len(ids), layer_two_tokens(tiny, ids, 3, layer=0))
+    dec = decoder(tiny, drafter, kv_policy="recompute", mode="lossless", max_pending=8, num_draft_tokens=2)
+    n, counts, accepted, rollbacks = 1500, Counter(), 0, 0
+    for seed in range(n):
+        seq = Sequence(ids, list(ids), SamplingParams(max_tokens=3, seed=seed, ignore_eos=True, temperature=1.0, top_k=2),
+                       tiny.tokenizer, tiny.eos_ids)
+        dec.generate(seq, forced(dec, lambda step, layer: layer == 0))
+        counts[tuple(seq.output_ids)] += 1
+        accepted += seq.stats.speculative["accepted_tokens"]
+        rollbacks += seq.stats.early_exit["lossless"]["rollbacks"]
+    assert accepted > n // 4 and rollbacks > n // 4, "drafts and exits must be accepted and rejected often"
+    assert set(counts) <= set(joint)
+    tv = 0.5 * sum(abs(counts[k] / n - v) for k, v in joint.items())
+    assert tv < 0.07, f"TV(empirical, joint) = {tv:.3f}"  # sampling noise over <= 8 triples ~0.035
