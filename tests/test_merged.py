@@ -117,8 +117,7 @@ class OracleAllTokens(LookupAllTokens):
         at = len(self.history) - self.prompt_len
         tokens = [t if (at + j) % 4 != 3 else (t + 1) % self.vocab_size
                   for j, t in enumerate(self.continuation[at:at + n])]
-        self._drafted = tokens
-        return Draft(torch.tensor(tokens, dtype=torch.long))
+        return Draft(torch.tensor(tokens, dtype=torch.long), ids=tokens)
 
 
 def layer_two_tokens(llm, ids: list[int], n: int, policy: str = "recompute", layer: int = 2) -> list[int]:

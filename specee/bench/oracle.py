@@ -68,7 +68,7 @@ def pass_depths(drafter, prompt_ids: list[int], continuation: list[int], layers:
     params, out, p, T = SamplingParams(), [], 0, len(continuation)
     drafter.reset(list(prompt_ids), T + draft_tokens)
     while p < T:
-        draft = drafter.draft(min(draft_tokens, T - p - 1), params, None, 0).tokens.tolist()
+        draft = drafter.draft(min(draft_tokens, T - p - 1), params, None, 0).host_ids()
         accepted = 0
         while accepted < len(draft) and draft[accepted] == continuation[p + accepted]:
             accepted += 1

@@ -33,10 +33,15 @@ class Draft:
 
     tokens: LongTensor [n] on the target's device (n may be below what was asked, even 0);
     probs: [n, width] distributions the tokens were sampled from, or None when they were chosen
-    deterministically (greedy, prompt lookup): verification then treats each as a point mass."""
+    deterministically (greedy, prompt lookup): verification then treats each as a point mass;
+    ids: the same tokens on the host, when the drafter had them there (no device read to get them)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    ids: list[int] | None = None
+
+    def host_ids(self) -> list[int]:
+        return self.ids if self.ids is not None else self.tokens.tolist()
 
 
 class DraftChain:
@@ -139,7 +144,7 @@ class Drafter(ABC):
         The state is left as it was. Default: advance through the draft and roll back."""
         base = len(self.history)
         rows = [self.propose()]
-        for token in draft.tokens.tolist():
+        for token in draft.host_ids():
             self.advance(token)
             rows.append(self.propose())
         self.truncate(base)

@@ -44,7 +44,6 @@ class NGramDrafter(Drafter):
         # _follow[n-1][ngram] = {follower: [count, last position]}
         self._follow: list[dict[tuple[int, ...], dict[int, list[int]]]] = [{} for _ in range(self.max_ngram)]
         self._freq: dict[int, list[int]] = {}  # token -> [count, last position]
-        self._drafted: list[int] = []  # the last draft's tokens
 
     def _push(self, token: int, journal: list[tuple[dict, Any, Any]] | None = None) -> None:
         """Append `token`; with a journal, note each (dict, key, old value or _MISSING) changed."""
@@ -120,11 +119,11 @@ class NGramDrafter(Drafter):
         return []
 
     def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
-        self._drafted = self.chain(n)  # kept for row_candidates: no device-to-host read of the draft
-        return Draft(torch.tensor(self._drafted, dtype=torch.long, device=self.device))
+        tokens = self.chain(n)
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), ids=tokens)
 
     def row_candidates(self, draft: Draft) -> torch.Tensor:
-        tokens = self._drafted if len(self._drafted) == draft.tokens.shape[0] else draft.tokens.tolist()
+        tokens = draft.host_ids()
         journal: list[tuple[dict, Any, Any]] = []
         rows = [self.candidates()]
         for token in tokens:

@@ -174,7 +174,7 @@ class DecodeRun:
         self.exit = exits or ExitController(self.model, dec.bank, dec.thresholds)
         self.verifier = LosslessVerifier(self) if dec.config.mode == "lossless" else None
         self.history: list[int] = list(seq.prompt_ids)  # prompt + emitted (verified or not)
-        self.next_ids = torch.tensor([seq.prompt_ids[-1:]], device=self.model.device)  # history[-1], on device
+        self.next_ids: torch.Tensor | None = None  # history[-1] on the device, when it came from there
         self.no_draft = Draft(torch.empty(0, dtype=torch.long, device=self.model.device))
 
     @property
@@ -186,7 +186,7 @@ class DecodeRun:
         """Append the next token (ids: the same on device, when at hand); unverified if it exited
         in lossless mode."""
         self.history.append(token)
-        self.next_ids = ids.view(1, 1) if ids is not None else torch.tensor([[token]], device=self.model.device)
+        self.next_ids = None if ids is None else ids.view(1, 1)  # None: built from history[-1] when needed
         self.stats.exit_histogram[exit_layer] += 1
         self.scheduler.record(exit_layer)
         if self.verifier is not None and exit_layer < self.num_layers - 1:
@@ -278,6 +278,8 @@ class DecodeRun:
 
         waiting = self.kv.begin_step(n, R)  # carried rows, joined at their resume layers (older slots first)
         active = list(range(n, n + R))
+        if self.next_ids is None:
+            self.next_ids = torch.tensor([self.history[-1:]], device=model.device)
         h = model.embed(self.next_ids if R == 1 else torch.cat([self.next_ids.view(1), draft.tokens]).view(1, R))
         step_in = model.range_inputs(n, R)
         self.cache.length = n + R
@@ -341,17 +343,17 @@ class DecodeRun:
         held_probs = None
         if self.verifier is not None and not self.params.greedy and exit_layer < self.num_layers - 1:
             held_probs = probabilities(logits[: len(tokens)], self.params)
-        emitted = 0
+        emitted = len(tokens)
         for j, token in enumerate(tokens):
-            last = j == len(tokens) - 1
-            self.emit(token, exit_layer, ids if last else None, None if held_probs is None else held_probs[j:j + 1])
-            emitted += 1
+            self.emit(token, exit_layer, ids if j == emitted - 1 else None, None if held_probs is None else held_probs[j:j + 1])
             if self.seq.finished or (token in self.seq.eos_ids and not self.params.ignore_eos):
+                emitted = j + 1
                 break
+        matched = min(len(tokens) - 1, emitted)  # accepted drafts among the emitted tokens
         if self.spec_stats is not None:
-            self.spec_stats.record(drafted, min(len(tokens) - 1, emitted))
+            self.spec_stats.record(drafted, matched)
         if drafted:
-            self.drafter.commit(tokens[:emitted], min(len(tokens) - 1, emitted))
+            self.drafter.commit(tokens[:emitted], matched)
 
     def flush(self) -> bool:
         """Complete the carried rows without a new token, to verify the last unverified tokens.

@@ -16,9 +16,10 @@ the drafter's top-k there (`Drafter.row_candidates`). At a scheduled layer:
      of its speculative tokens: a second read, which also returns the accepted tokens. If not,
      the predictors were wrong: every row is unsettled again.
 
-Why the rule is right: a row matters only if every draft before it is accepted, and then its
-history equals the target's own continuation, which is what calibration recorded; so each
-row's exit is the one-token exit decision at that position, made at a shared layer.
+Why the one-token bank serves: a row matters only if every draft before it is accepted, and
+then its history equals the target's own continuation, which is what calibration recorded, so
+its features are the one-token features at that position (tested). Its exits are measured to
+be less precise than one token's (BENCHMARKS.md), and thresholds for passes are not calibrated.
 
 Tests inject `ForcedExits` (a rule of (token index, layer)) instead of the predictors, so the
 hot loop holds no test hooks.
@@ -54,6 +55,8 @@ class ExitController:
         self.model, self.bank = model, bank.to(model.device, torch.float32)  # trained and thresholded in float32
         self.thresholds = thresholds
         self.candidates = self.rows = self.draft = None
+        self.row_index = torch.arange(1, device=model.device)  # 0..R-1, grown once to the longest pass
+        self.fired = torch.zeros(1, dtype=torch.bool, device=model.device)  # rows that fired in this pass
         self.predictor_calls = self.rejected = 0
         self.timer = StageTimer(model.device)  # "predictors" and "verification" (the LM head of a settled layer)
 
@@ -67,8 +70,11 @@ class ExitController:
         candidates' LM-head rows once per pass; every checked layer reuses them."""
         self.candidates, self.draft = candidates, draft
         self.rows = spec_rows(self.model, candidates)  # [R, k, H]
-        self.needed = torch.arange(candidates.shape[0], device=candidates.device)
-        self.fired = torch.zeros(candidates.shape[0], dtype=torch.bool, device=candidates.device)
+        R = candidates.shape[0]
+        if self.row_index.shape[0] < R:
+            self.row_index = torch.arange(R, device=candidates.device)
+            self.fired = torch.zeros(R, dtype=torch.bool, device=candidates.device)
+        self.needed, self.fired_rows = self.row_index[:R], self.fired[:R].zero_()
 
     def fires(self, layer: int, feats: torch.Tensor) -> torch.Tensor:
         """The predictor of `layer` on the rows' features [R, 3k]: [R] bool."""
@@ -80,7 +86,7 @@ class ExitController:
         t = self.timer.start()
         self.predictor_calls += 1
         feats = exit_features(self.model, h_in, h, self.rows)  # [R, 3k]; the first k: the candidates' logits
-        fired = self.fired.logical_or_(self.fires(layer, feats))
+        fired = self.fired_rows.logical_or_(self.fires(layer, feats))
         best = self.candidates.gather(1, feats[:, : self.candidates.shape[1]].argmax(dim=-1, keepdim=True))
         accepted = accept_chain(self.draft, best.view(-1))[0]
         settled = (fired | (self.needed > accepted)).all()
@@ -98,7 +104,7 @@ class ExitController:
         self.timer.stop("verification", t)
         if not ok:
             self.rejected += 1
-            self.fired.zero_()
+            self.fired_rows.zero_()
             return None
         return ExitHit(layer, tokens[: accepted + 1], choice[accepted : accepted + 1], logits[: accepted + 1])
 

@@ -26,6 +26,7 @@ class ExitPayoff:
         self.saving = list(prior) if prior is not None else [2 * cost] * num_layers
         self.paying = [s >= cost for s in self.saving]
         self.retry_at = [0 if p else RETRY_AFTER for p in self.paying]
+        self.next_retry = min((r for r, p in zip(self.retry_at, self.paying) if not p), default=math.inf)
         self.passes = 0
 
     @staticmethod
@@ -46,16 +47,20 @@ class ExitPayoff:
         self.saving[layer] += self.rate * (gain - self.saving[layer])
         if self.paying[layer] and self.saving[layer] < self.cost:
             self.paying[layer], self.retry_at[layer] = False, self.passes + RETRY_AFTER
+            self.next_retry = min(self.next_retry, self.retry_at[layer])
             return True
         return False
 
     def tick(self) -> bool:
         """A pass begins; returns True when a layer is due for a retry (it pays again until checked)."""
         self.passes += 1
-        due = [i for i, p in enumerate(self.paying) if not p and self.retry_at[i] <= self.passes] if self.cost else []
-        for i in due:
-            self.paying[i], self.saving[i] = True, self.cost
-        return bool(due)
+        if self.passes < self.next_retry:  # the common case: nothing is due
+            return False
+        for i, paying in enumerate(self.paying):
+            if not paying and self.retry_at[i] <= self.passes:
+                self.paying[i], self.saving[i] = True, self.cost
+        self.next_retry = min((r for r, p in zip(self.retry_at, self.paying) if not p), default=math.inf)
+        return True
 
 
 class TwoLevelScheduler:
