@@ -21,28 +21,15 @@ from pathlib import Path
 
 import torch
 
-from specee.bench.common import round_robin
 from specee.bench.report import cpu_name
 from specee.bench.speed import identity
+from specee.bench.tasks import SPEC_BENCH, load_prompts
 from specee.bench.timing import hf_run, load_hf_model, specee_run
 from specee.engine.llm import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 DEFAULT_MODEL = SHARED / "models" / "ref-target-24L"
-SPEC_BENCH = SHARED / "data" / "spec_bench" / "question.jsonl"
-# Spec-Bench's six task groups; the eight MT-Bench categories form one of them.
-GROUPS = ("translation", "summarization", "qa", "math_reasoning", "rag")
-
-
-def load_prompts(n: int) -> list[dict]:
-    """n first-turn prompts taken round-robin over the task groups (mt_bench, translation, ...)."""
-    groups: dict[str, list[dict]] = {}
-    for line in SPEC_BENCH.read_text().splitlines():
-        if line.strip():
-            q = json.loads(line)
-            groups.setdefault(q["category"] if q["category"] in GROUPS else "mt_bench", []).append(q)
-    return round_robin(list(groups.values()), n)
 
 
 def timed(run) -> dict:
@@ -60,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's default)")
     ap.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON to OUT")
     args = ap.parse_args(argv)
-    if not args.model.is_dir() or not SPEC_BENCH.exists():
-        print(f"bench_full_depth: needs {args.model} and {SPEC_BENCH} (the shared folder next to the repo)",
+    spec_bench = SHARED.joinpath(*SPEC_BENCH)
+    if not args.model.is_dir() or not spec_bench.exists():
+        print(f"bench_full_depth: needs {args.model} and {spec_bench} (the shared folder next to the repo)",
               file=sys.stderr)
         return 2
     if args.max_new_tokens < 2:
@@ -94,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"transformers attention: {hf.config._attn_implementation}")
 
     hf_tok = AutoTokenizer.from_pretrained(args.model)
-    questions = load_prompts(args.prompts)
+    questions = load_prompts(spec_bench, total=args.prompts)  # round-robin over Spec-Bench's categories
     prompts, same_ids = [], 0
     for q in questions:
-        messages = [{"role": "user", "content": q["turns"][0]}]
+        messages = [{"role": "user", "content": q.text}]
         ids = llm.tokenizer.encode_chat(messages)  # both engines get exactly these ids
         hf_ids = hf_tok(hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                         add_special_tokens=False)["input_ids"]
@@ -123,13 +111,13 @@ def main(argv: list[str] | None = None) -> int:
             sp = run_specee(ids)
         same = sp["tokens"] == tf["tokens"]
         diverge = identity(sp["tokens"], tf["tokens"])["first_mismatch"]
-        row = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids),
+        row = {"question_id": q.id, "category": q.category, "prompt_tokens": len(ids),
                "specee": {k: v for k, v in sp.items() if k != "tokens"},
                "transformers": {k: v for k, v in tf.items() if k != "tokens"},
                "ratio": sp["decode_tps"] / tf["decode_tps"], "identical": same, "first_difference": diverge}
         rows.append(row)
         mark = "identical" if same else f"differs from token {diverge}"
-        print(f"{q['question_id']:>4} {q['category']:<15} {len(ids):>6} {sp['decode_tps']:>12.1f} "
+        print(f"{q.id:>4} {q.category:<15} {len(ids):>6} {sp['decode_tps']:>12.1f} "
               f"{tf['decode_tps']:>9.1f} {row['ratio']:>6.2f}  {mark}", flush=True)
 
     steps = (max_new - 1) * len(rows)

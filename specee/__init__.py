@@ -1,5 +1,5 @@
 """specee: faster decoding of Hugging Face causal LMs by speculative early exiting."""
-from .engine.early_exit import EarlyExitConfig
+from .exit.config import EarlyExitConfig
 from .engine.llm import LLM
 from .engine.sequence import RequestOutput, RequestStats
 from .sampling import SamplingParams

@@ -9,7 +9,8 @@ from collections import Counter
 import torch
 
 from specee.drafters.base import Drafter
-from specee.engine.early_exit import EarlyExitConfig, EarlyExitDecoder
+from specee.engine.early_exit import EarlyExitDecoder
+from specee.exit.config import EarlyExitConfig
 from specee.engine.sequence import Sequence
 from specee.exit.controller import ForcedExits
 from specee.exit.bank import PredictorBank

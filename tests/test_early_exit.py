@@ -11,7 +11,7 @@ from ee_helpers import (AllTokensDrafter, constant_bank, decoder, never_bank, ra
                         reference_forced_tokens, run)
 
 from specee import LLM, SamplingParams
-from specee.engine.early_exit import EarlyExitConfig
+from specee.exit.config import EarlyExitConfig
 from specee.engine.full_depth import prefill
 from specee.exit.scheduler import RETRY_AFTER, ExitPayoff, TwoLevelScheduler
 from specee.model.rope import inverse_frequencies

@@ -53,13 +53,16 @@ def test_full_depth_batches_requests_with_their_own_parameters(llm, batches):
     assert [s.output_ids for s in seqs] == alone
 
 
-def test_early_exit_takes_one_request_at_a_time(llm, batches):
-    llm.early_exit = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size))
+@pytest.mark.parametrize("mode", ["lossy", "lossless"])
+def test_lossy_early_exit_batches_requests_and_lossless_takes_one_at_a_time(llm, batches, mode):
+    """Lossy one-token exits share passes; lossless mode (a rollback moves one request's slots) runs
+    the requests in turn. With predictors that never fire, both give full depth's tokens."""
+    llm.early_exit = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size), mode=mode)
     try:
         outs = llm.generate(["one", "two"], SamplingParams(max_tokens=3, ignore_eos=True))
     finally:
         llm.early_exit = None
-    assert batches == [["one"], ["two"]]
+    assert batches == ([["one", "two"]] if mode == "lossy" else [["one"], ["two"]])
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(["one", "two"],
                                                                              SamplingParams(max_tokens=3, ignore_eos=True))]
 

@@ -144,7 +144,7 @@ def spec_bench_prompts(n_per_category: int, categories: tuple[str, ...]) -> list
 def test_greedy_lossless_identical_on_the_reference_pair(ref_bank):
     """Spec-Bench and calibration prompts, 128 new tokens, the calibrated thresholds and
     permissive ones (scale 3) and absurd ones (scale 1000: every scheduled predictor fires)."""
-    from specee.engine.early_exit import EarlyExitConfig
+    from specee.exit.config import EarlyExitConfig
 
     llm, bank_path = ref_bank
     prompts = spec_bench_prompts(1, ("writing", "coding", "math_reasoning", "qa"))

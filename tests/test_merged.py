@@ -11,7 +11,7 @@ from ee_helpers import constant_bank, count_host_reads, decoder, forced, never_b
 from specee import LLM, SamplingParams
 from specee.drafters.base import Draft
 from specee.drafters.ngram import NGramDrafter
-from specee.engine.early_exit import EarlyExitConfig
+from specee.exit.config import EarlyExitConfig
 from specee.engine.sequence import Sequence
 from specee.exit.controller import ForcedExits
 
@@ -203,7 +203,7 @@ def test_features_of_a_verification_row_equal_the_position_decoded_alone(ref):
     for drafts in (0, 3):
         dec = decoder(ref, NGramDrafter(4, ref.model.cfg.vocab_size), kv_policy="recompute", num_draft_tokens=drafts)
         seq = Sequence(ids, list(ids), SamplingParams(max_tokens=40, ignore_eos=True), ref.tokenizer, ref.eos_ids)
-        run = DecodeRun(dec, seq)
+        run = DecodeRun(dec, [seq])
         run.exit = RecordingExits(dec, run.history)
         for _ in run.steps():
             pass

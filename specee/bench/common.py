@@ -105,7 +105,7 @@ def fit_prompt(llm, text: str, chat: bool, max_new_tokens: int) -> tuple[list[in
 
 # ---- early-exit configurations ---------------------------------------------------------------
 def make_config(draft: str, bank: str | None, k: int, **kw):
-    from ..engine.early_exit import EarlyExitConfig
+    from ..exit.config import EarlyExitConfig
 
     return EarlyExitConfig(draft=draft, bank=bank, k=k, **kw)
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..engine.early_exit import KV_POLICIES
+from ..exit.config import KV_POLICIES
 from ..exit.stats import mean_layers_run
 from .common import (BenchError, fit_prompt, make_config, mcnemar, progress, resolve_chat, shared_file, use_config,
                      wilson)

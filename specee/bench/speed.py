@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine.early_exit import KV_POLICIES as POLICIES
+from ..exit.config import KV_POLICIES as POLICIES
 from ..exit.stats import mean_layers_run
 from .common import BenchError, fit_prompt, make_config, median, progress, ratio, resolve_chat, use_config
 from .report import environment, environment_md, md_table

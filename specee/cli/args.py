@@ -175,7 +175,7 @@ def default_draft(model_dir: Path) -> Path | None:
 
 def early_exit_config(args: argparse.Namespace):
     """The EarlyExitConfig the flags ask for, or None for full depth."""
-    from ..engine.early_exit import EarlyExitConfig
+    from ..exit.config import EarlyExitConfig
 
     if getattr(args, "no_exit", True):
         return None

@@ -18,6 +18,8 @@ inside a verification pass also need every row's top-k: `row_candidates(draft)`.
 """
 from __future__ import annotations
 
+import copy
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +115,12 @@ class Drafter(ABC):
     def teacher_forced_top_k(self, ids: list[int], start: int) -> torch.Tensor:
         """[len(ids) - start, k]: row j is what `propose()` returns for token ids[start + j]
         having consumed ids[:start + j]. Does not change the drafter's request state."""
+
+    def fork(self) -> "Drafter":
+        """A drafter sharing this one's weights and settings with request state of its own (call
+        `reset` before use): each request of a batch drafts with one. Default: a shallow copy, for
+        drafters whose `reset` rebinds all of their request state."""
+        return copy.copy(self)
 
     def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Propose only among `token_ids` (a frequency-ranked shortlist, see `frequency_shortlist`);

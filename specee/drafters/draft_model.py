@@ -17,6 +17,8 @@ step re-runs only the target's own token.
 """
 from __future__ import annotations
 
+import copy
+
 from pathlib import Path
 
 import torch
@@ -112,6 +114,12 @@ class DraftModelDrafter(Drafter):
         self._cache.length = 0
         if max_new_tokens is not None:
             self._ensure_capacity(min(len(prompt_ids) + max_new_tokens, self.context))
+
+    def fork(self) -> "DraftModelDrafter":
+        """Same model and head; a KV cache of its own (sized by `reset`)."""
+        twin = copy.copy(self)
+        twin._cache = self.model.new_cache(1, 1)
+        return twin
 
     @property
     def shortlist(self) -> torch.Tensor | None:

@@ -4,18 +4,20 @@
 full-depth step of every row, one early-exit token, or one draft-verify round) and returns
 the sequences that finished in it. Full depth batches continuously: a request added while a
 full-depth batch runs joins it at the next step, and finished requests leave it (each row keeps
-its own SamplingParams). Early exit and speculative decoding decide per token and take one request
-at a time. `LLM.generate` and `LLM.stream` are loops over `step()` in the caller's thread.
+its own SamplingParams). Lossy one-token early exit decodes the waiting requests as one batch
+(no newcomers until it ends); speculative decoding and lossless early exit take one request at
+a time. `LLM.generate` and `LLM.stream` are loops over `step()` in the caller's thread.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Protocol, cast
+from typing import Protocol, runtime_checkable
 
 from .sequence import Sequence
 
 
+@runtime_checkable
 class ContinuousBatch(Protocol):
     """What a batched decoder returns (full_depth.FullDepthBatch): an iterator of steps that takes
     newcomers and lets a request go between steps."""
@@ -46,9 +48,10 @@ class Scheduler:
 class Engine:
     """Steps the decoder chosen at admission over the scheduler's batches.
 
-    decode(batch): the decoder's steps over a new batch: a generator yielding after each step
-    (engine/early_exit.py, spec/speculative.py), or, where batched() held at admission, a
-    ContinuousBatch (engine/full_depth.py) that later requests join while batched() still holds.
+    decode(batch): the decoder's steps over a new batch (every waiting request where batched()
+    holds, else the oldest): a generator yielding after each step (engine/early_exit.py,
+    spec/speculative.py), or a ContinuousBatch (engine/full_depth.py) that later requests join
+    while batched() still holds.
     running: the requests in the running batch that have not finished."""
 
     def __init__(self, decode: Callable[[list[Sequence]], Iterator[None]], batched: Callable[[], bool]):
@@ -73,7 +76,7 @@ class Engine:
             batched = self.batched()
             batch = self.scheduler.next_batch(batched)
             self._steps = self.decode(batch)
-            self._batch = cast(ContinuousBatch, self._steps) if batched else None
+            self._batch = self._steps if isinstance(self._steps, ContinuousBatch) else None
             self.running = batch
         elif self.scheduler.waiting and self._batch is not None and self.batched():
             newcomers = self.scheduler.next_batch(True)
@@ -92,14 +95,17 @@ class Engine:
         return finished
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request (a closed stream): a continuous batch lets it go and runs on; any other
-        batch that holds it stops decoding."""
+        """Drop a request (a closed stream): a continuous batch lets it go and runs on; in another
+        batch of several it finishes ("abort") and rides along; a request decoding alone stops."""
         if any(s is seq for s in self.running):
-            if self._batch is not None and len(self.running) > 1:
-                self._batch.drop(seq)
-                self.running = [s for s in self.running if s is not seq]
-            else:
+            if len(self.running) == 1:
                 self._close()
+                return
+            if self._batch is not None:
+                self._batch.drop(seq)
+            else:
+                seq.finish_reason = seq.finish_reason or "abort"
+            self.running = [s for s in self.running if s is not seq]
         else:  # by identity: two requests with the same prompt and parameters compare equal
             self.scheduler.waiting = deque(s for s in self.scheduler.waiting if s is not seq)
 

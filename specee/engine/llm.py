@@ -19,7 +19,8 @@ from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
-from .early_exit import EarlyExitConfig, EarlyExitDecoder, TeacherForcedStep
+from ..exit.config import EarlyExitConfig
+from .early_exit import EarlyExitDecoder, TeacherForcedStep
 from .engine import Engine
 from .full_depth import decode_full_depth
 from .sequence import RequestOutput, Sequence
@@ -62,26 +63,14 @@ def default_cache_dir() -> Path:
 
 
 def merged_config(config: EarlyExitConfig, speculative_config: dict) -> EarlyExitConfig:
-    """The early-exit config that drafts `num_speculative_tokens` per pass with its own drafter;
-    refuses a speculative_config that drafter cannot serve, in one line."""
+    """The early-exit config that drafts `num_speculative_tokens` per pass with its own drafter
+    (spec/config.py says which speculative_configs exits can serve)."""
     from dataclasses import replace
 
     from ..spec.config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(speculative_config)
-    why = None
-    if spec.method == "eagle":
-        why = ("the EAGLE head reads target layers an exited pass never computes; use method 'ngram' or "
-               "'draft_model' with exits")
-    elif spec.tree is not None:
-        why = "exits verify chains; drop 'tree'"
-    elif spec.method == "ngram" and (config.draft != "ngram" or spec.prompt_lookup_max != 3):
-        why = "method 'ngram' needs the early-exit drafter 'ngram' (and prompt_lookup_max 3, the bank's n-gram)"
-    elif spec.method == "draft_model" and (config.draft is None or Path(config.draft).expanduser().resolve()
-                                           != Path(spec.model).expanduser().resolve()):
-        why = f"method 'draft_model' drafts with the early-exit drafter; its model must be {config.draft!r}"
-    if why:
-        raise ValueError(f"speculative_config with early exit: {why}")
+    spec.check_serves_exits(config.draft)
     return replace(config, num_draft_tokens=spec.num_speculative_tokens)
 
 
@@ -115,7 +104,7 @@ class LLM:
         self.eos_ids = load_eos_ids(self.model_dir, self.model, self.tokenizer)
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
-        self.engine = Engine(self._decode, batched=lambda: self.early_exit is None and self.speculative is None)
+        self.engine = Engine(self._decode, batched=self._batches)
         self.early_exit: EarlyExitDecoder | None = None
         self.speculative = None
         if early_exit is not None:
@@ -239,14 +228,20 @@ class LLM:
         seq = Sequence(prompt_ids, list(prompt_ids), params, self.tokenizer, self.eos_ids)
         return self.early_exit.teacher_forced(seq, continuation)
 
+    def _batches(self) -> bool:
+        """Whether requests share passes: at full depth, and with lossy one-token early exit."""
+        return self.speculative is None and (self.early_exit is None or self.early_exit.batches)
+
     def _decode(self, seqs: list[Sequence]) -> Iterator[None]:
         """The decoder this LLM is configured with, stepped over `seqs`: at full depth a batch that
-        later requests join (engine/full_depth.py), else a generator over one request at a time."""
+        later requests join (engine/full_depth.py); with lossy one-token early exit one batch of
+        them; else (speculation, lossless mode) a generator over one request at a time."""
         if self.early_exit is None and self.speculative is None:
             return decode_full_depth(self.model, seqs)
-        decoder = self.speculative or self.early_exit  # both decide per token: one request at a time
+        if self.speculative is None and self.early_exit.batches:
+            return self.early_exit.steps(seqs)
 
         def one_at_a_time() -> Iterator[None]:
-            for seq in seqs:
-                yield from decoder.steps(seq)  # `yield from`: closing this closes the request's steps
+            for seq in seqs:  # `yield from`: closing this closes the request's steps
+                yield from (self.speculative.steps(seq) if self.speculative else self.early_exit.steps([seq]))
         return one_at_a_time()

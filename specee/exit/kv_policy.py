@@ -10,11 +10,14 @@ layers. The three answers (see ../shared/notes/early-exit-kv.md):
   basis of lossless mode: a carried row that completes the last layer verifies its token).
 
 The decode loop (engine/early_exit.py) calls the same hooks whatever the policy, for a pass of
-one row (early exit) or several (a verification pass: the last token and its drafts); each
-policy also keeps the cache's per-layer fill state (`cache.filled`) true.
+one row per request (early exit, one request or a batch) or several (a verification pass: the
+last token and its drafts); each policy also keeps the cache's per-layer fill state
+(`cache.filled`) true. Slots are shared by a batch's requests (rows align on their last token),
+so a hook acts on a slot of every request.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,7 +33,7 @@ class Pending:
 
     slot: int
     resume: int
-    hidden: torch.Tensor  # [1, 1, H]: its output of layer resume-1
+    hidden: torch.Tensor  # [B, 1, H]: its output of layer resume-1, per request
 
 
 class KVPolicy:
@@ -39,8 +42,10 @@ class KVPolicy:
     name: ClassVar[str]
     masks_layers: ClassVar[bool] = False  # True: `layer_inputs` must be asked at every layer (skip's holes)
 
-    def __init__(self, model: Transformer, cache: KVCache):
-        self.model, self.cache, self.num_layers = model, cache, model.cfg.num_layers
+    def __init__(self, model: Transformer, cache: KVCache, inputs: Callable[[int, int], StepInputs]):
+        """inputs(start, count): the step inputs of the rows at slots start..start+count-1 (the decode
+        loop's: it knows each request's positions)."""
+        self.model, self.cache, self.num_layers, self.inputs = model, cache, model.cfg.num_layers, inputs
         self.pending: list[Pending] = []  # carried rows (recompute only)
 
     def begin_step(self, n: int, rows: int = 1) -> list[Pending]:
@@ -52,14 +57,14 @@ class KVPolicy:
         """The inputs layer `layer` attends with (skip: only the slots that layer holds)."""
         return step_in
 
-    def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
+    def after_exit(self, e: int, h: torch.Tensor, active: list[int]) -> None:
         """The rows at `active` slots (contiguous) left after layer e (h: their hidden states
-        [1, rows, H]; step_in: their inputs)."""
-        self.cache.filled[:, 0, active[0]:active[-1] + 1] = True
+        [B, rows, H])."""
+        self.cache.filled[:, :, active[0]:active[-1] + 1] = True
 
     def after_full_depth(self, active: list[int]) -> None:
         """The rows at `active` slots ran every layer."""
-        self.cache.filled[:, 0, active[0]:active[-1] + 1] = True
+        self.cache.filled[:, :, active[0]:active[-1] + 1] = True
 
     def truncate(self, length: int) -> None:
         """Forget everything at or past slot `length` (a lossless rollback)."""
@@ -72,7 +77,7 @@ class SkipKV(KVPolicy):
     masks_layers = True
 
     def begin_step(self, n: int, rows: int = 1) -> list[Pending]:
-        self.cache.filled[:, 0, n:n + rows] = True  # own slots readable; unmarked past the exit
+        self.cache.filled[:, :, n:n + rows] = True  # own slots readable; unmarked past the exit
         return []
 
     def layer_inputs(self, layer: int, step_in: StepInputs, n: int) -> StepInputs:
@@ -82,8 +87,8 @@ class SkipKV(KVPolicy):
             step_in.mask = self.cache.attention_mask(layer, step_in.slots, step_in.kv_len)
         return step_in
 
-    def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
-        self.cache.filled[e + 1:, 0, active[0]:active[-1] + 1] = False
+    def after_exit(self, e: int, h: torch.Tensor, active: list[int]) -> None:
+        self.cache.filled[e + 1:, :, active[0]:active[-1] + 1] = False
 
     def after_full_depth(self, active: list[int]) -> None:
         pass  # begin_step marked every layer
@@ -92,10 +97,11 @@ class SkipKV(KVPolicy):
 class PropagateKV(KVPolicy):
     name = "propagate"
 
-    def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
+    def after_exit(self, e: int, h: torch.Tensor, active: list[int]) -> None:
+        step_in = self.inputs(active[0], len(active))
         for j in range(e + 1, self.num_layers):
             self.model.project_kv(j, h, step_in, self.cache)
-        super().after_exit(e, h, active, step_in)
+        super().after_exit(e, h, active)
 
 
 class RecomputeKV(KVPolicy):
@@ -104,9 +110,9 @@ class RecomputeKV(KVPolicy):
     def begin_step(self, n: int, rows: int = 1) -> list[Pending]:
         return sorted(self.pending, key=lambda p: (p.resume, p.slot))
 
-    def after_exit(self, e: int, h: torch.Tensor, active: list[int], step_in: StepInputs) -> None:
+    def after_exit(self, e: int, h: torch.Tensor, active: list[int]) -> None:
         """Every row of this step resumes at e + 1 in a later step."""
-        self.cache.filled[: e + 1, 0, active[0]:active[-1] + 1] = True
+        self.cache.filled[: e + 1, :, active[0]:active[-1] + 1] = True
         carried = [Pending(slot, e + 1, h[:, j:j + 1]) for j, slot in enumerate(active)]
         self.pending = [p for p in self.pending if p.slot not in active] + carried
 

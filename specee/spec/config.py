@@ -75,6 +75,23 @@ class SpeculativeConfig:
         return cls(method, model if model is None or not Path(model).expanduser().exists()
                    else str(Path(model).expanduser()), n, tree, lookup)
 
+    def check_serves_exits(self, exit_draft: str | None) -> None:
+        """Refuse, in one line, a config whose chains SpecEE's exits cannot verify: the passes are
+        drafted by the early-exit drafter `exit_draft` ("ngram" or a draft model path)."""
+        why = None
+        if self.method == "eagle":
+            why = ("the EAGLE head reads target layers an exited pass never computes; use method 'ngram' or "
+                   "'draft_model' with exits")
+        elif self.tree is not None:
+            why = "exits verify chains; drop 'tree'"
+        elif self.method == "ngram" and (exit_draft != "ngram" or self.prompt_lookup_max != 3):
+            why = "method 'ngram' needs the early-exit drafter 'ngram' (and prompt_lookup_max 3, the bank's n-gram)"
+        elif self.method == "draft_model" and (exit_draft is None or Path(exit_draft).expanduser().resolve()
+                                               != Path(str(self.model)).expanduser().resolve()):
+            why = f"method 'draft_model' drafts with the early-exit drafter; its model must be {exit_draft!r}"
+        if why:
+            raise ValueError(f"speculative_config with early exit: {why}")
+
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.model is not None:

@@ -1,0 +1,155 @@
+"""Early exit over a batch of requests (lossy, one token per request per pass): checked against
+each request decoded alone, the full model's cache, and full depth."""
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import Variant, make_checkpoint
+from ee_helpers import AllTokensDrafter, decoder, forced, never_bank, random_forcing, run
+
+from specee import LLM, SamplingParams
+from specee.engine.full_depth import prefill
+from specee.engine.sequence import Sequence
+from specee.exit.config import EarlyExitConfig
+from specee.exit.controller import ForcedExits
+
+POLICIES = ("skip", "propagate", "recompute")
+DEEP = Variant("deep6", "llama", dict(num_hidden_layers=6, num_key_value_heads=2))
+TEXTS = ("Once upon a time there was", "The", "In a small village by the sea, an old fisherman")
+
+
+@pytest.fixture(scope="module")
+def deep_llm(tmp_path_factory):
+    return LLM(make_checkpoint(tmp_path_factory.mktemp("deep") / "m", DEEP, seed=3), dtype="float32")
+
+
+def sequences(llm, max_tokens: list[int]) -> list[Sequence]:
+    """Prompts of different lengths (one of a single token: nothing to prefill)."""
+    out = []
+    for text, n in zip(TEXTS, max_tokens):
+        ids = llm.encode(text)[:1] if text == "The" else llm.encode(text)
+        out.append(Sequence(ids, list(ids), SamplingParams(max_tokens=n, ignore_eos=True), llm.tokenizer, llm.eos_ids))
+    return out
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_batch_with_forced_exits_equals_each_request_alone(deep_llm, policy):
+    """Exits forced at the same layers for every request: each request of the batch (left-padded,
+    its KV policy acting on the shared slots) emits what it emits decoded alone, and the request
+    that finishes first rides along without changing the others."""
+    drafter = AllTokensDrafter(deep_llm.model.cfg.vocab_size)
+    dec = decoder(deep_llm, drafter, kv_policy=policy, max_pending=64)
+    force = random_forcing(seed=11, rate=0.3)
+    seqs = sequences(deep_llm, [20, 9, 20])
+    r = dec.generate(seqs, forced(dec, force))
+    assert len(r.requests) == 3 and r.pads is not None
+    for s in seqs:
+        alone, _ = run(deep_llm, dec, s.prompt_ids, s.params, force)
+        assert s.output_ids == alone.output_ids
+        assert s.stats.early_exit["batch_size"] == 3
+    hist = seqs[0].stats.early_exit["exit_histogram"]
+    assert sum(hist[:-1]) >= 3 * 6, f"the forcing should make many passes exit early: {hist}"
+    assert seqs[1].stats.decode_seconds < seqs[0].stats.decode_seconds  # it finished first
+
+
+@torch.inference_mode()
+def test_recompute_in_a_batch_leaves_every_request_the_full_models_cache(deep_llm):
+    """Carried rows of several requests at per-request positions: each request's cache rows equal
+    a full forward over its own tokens, wherever they are filled (padding never is)."""
+    drafter = AllTokensDrafter(deep_llm.model.cfg.vocab_size)
+    dec = decoder(deep_llm, drafter, kv_policy="recompute", max_pending=4)
+    seqs = sequences(deep_llm, [24, 24, 24])
+    r = dec.generate(seqs, forced(dec, random_forcing(seed=2, rate=0.35)))
+    assert sum(seqs[0].stats.early_exit["exit_histogram"][:-1]) >= 3 * 6
+    for b, req in enumerate(r.requests):
+        tokens = req.history[:-1]  # the last emitted token was never fed through the model
+        n, pad = len(tokens), req.pad
+        ref = deep_llm.model.new_cache(1, n)
+        prefill(deep_llm.model, ref, [tokens])
+        filled = r.cache.filled[:, b, pad:pad + n]
+        owed = torch.zeros_like(filled)
+        for p in r.kv.pending:
+            owed[p.resume:, p.slot - pad] = True
+        assert torch.equal(filled, ~owed)
+        assert not r.cache.filled[:, b, :pad].any()
+        for name in ("k", "v"):
+            got, want = getattr(r.cache, name)[:, b, :, pad:pad + n], getattr(ref, name)[:, 0, :, :n]
+            mask = filled[:, None, :, None].expand_as(got)
+            torch.testing.assert_close(got[mask], want[mask], atol=1e-4, rtol=1e-4)
+
+
+class AllButRow(ForcedExits):
+    """Every row fires at every checked layer except row `holdout`."""
+
+    def __init__(self, dec, holdout: int):
+        super().__init__(dec.model, dec.bank, dec.thresholds, lambda step, layer: layer == 1)
+        self.holdout = holdout
+
+    def fires(self, layer, feats):
+        fire = super().fires(layer, feats).clone()
+        fire[self.holdout] = False
+        return fire
+
+
+def test_a_pass_exits_once_every_unfinished_request_has_fired(deep_llm):
+    """The request that never fires holds every pass at full depth while it runs; once it has
+    finished, the others exit."""
+    drafter = AllTokensDrafter(deep_llm.model.cfg.vocab_size)
+    dec = decoder(deep_llm, drafter, kv_policy="skip")
+    seqs = sequences(deep_llm, [12, 5, 12])
+    r = dec.generate(seqs, AllButRow(dec, holdout=1))
+    L = deep_llm.model.cfg.num_layers
+    passes = [r.scheduler.exits[i:i + 3] for i in range(0, len(r.scheduler.exits), 3)]
+    assert len(passes) == 12
+    assert all(p == [L - 1] * 3 for p in passes[:5])  # request 1 runs: nobody exits
+    assert all(p == [1] * 3 for p in passes[5:])  # it finished: every pass exits at layer 1
+    assert [len(s.output_ids) for s in seqs] == [12, 5, 12]
+
+
+def test_the_llm_batches_lossy_exits_and_decodes_lossless_one_request_at_a_time(deep_llm, tmp_path):
+    """Through the API, with predictors that never fire: lossy requests share passes, lossless ones
+    run alone; both give full depth's tokens."""
+    from specee.drafters.ngram import NGramDrafter
+
+    L = deep_llm.model.cfg.num_layers
+    drafter = NGramDrafter(4, deep_llm.model.cfg.vocab_size)
+    never_bank(L, 4, target=deep_llm.fingerprint, drafter=drafter.fingerprint).save(tmp_path / "bank")
+    prompts = [deep_llm.encode(t) for t in TEXTS]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    full = deep_llm.generate(prompts, params)
+    try:
+        for mode, batch in (("lossy", 3), ("lossless", 1)):
+            deep_llm.enable_early_exit(EarlyExitConfig(draft="ngram", bank=str(tmp_path / "bank"), mode=mode))
+            outs = deep_llm.generate(prompts, params)
+            assert [o.token_ids for o in outs] == [f.token_ids for f in full]
+            assert {o.stats.early_exit["batch_size"] for o in outs} == {batch}
+    finally:
+        deep_llm.early_exit = None
+
+
+def test_a_stream_closed_inside_a_batch_leaves_the_others_running(deep_llm, tmp_path):
+    """Aborting one request of an early-exit batch finishes it ("abort"); the others decode on to
+    the tokens they get without it."""
+    from specee.drafters.ngram import NGramDrafter
+
+    drafter = NGramDrafter(4, deep_llm.model.cfg.vocab_size)
+    never_bank(deep_llm.model.cfg.num_layers, 4, target=deep_llm.fingerprint,
+               drafter=drafter.fingerprint).save(tmp_path / "bank")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    full = deep_llm.generate([deep_llm.encode(TEXTS[2])], params)[0]
+    deep_llm.enable_early_exit(EarlyExitConfig(draft="ngram", bank=str(tmp_path / "bank")))
+    try:
+        a, b = (Sequence(ids, list(ids), params, deep_llm.tokenizer, deep_llm.eos_ids)
+                for ids in (deep_llm.encode(TEXTS[0]), deep_llm.encode(TEXTS[2])))
+        engine = deep_llm.engine
+        engine.add_request(a)
+        engine.add_request(b)
+        engine.step()
+        engine.step()
+        engine.abort(a)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        deep_llm.early_exit = None
+    assert a.finish_reason == "abort" and len(a.output_ids) == 2
+    assert b.output_ids == full.token_ids and b.finish_reason == "length"
