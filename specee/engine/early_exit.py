@@ -34,28 +34,7 @@ from ..spec.speculative import SpecStats
 from ..spec.verify import verify_chain
 from .full_depth import check_fits, prefill
 from .sequence import Sequence
-
-
-@dataclass
-class TeacherForcedStep:
-    predicted: int  # what early exit emitted at this position
-    target: int  # the token fed instead (the full model's, for agreement)
-    exit_layer: int
-    logprob: float  # log-probability of `target` under the distribution early exit used
-
-
-class TeacherForcing:
-    """A token source for DecodeRun: note what early exit chose, feed the given continuation instead."""
-
-    def __init__(self, continuation: list[int]):
-        self.continuation, self.records = continuation, []
-
-    def __call__(self, index: int, predicted: int, exit_layer: int, logits: torch.Tensor) -> int:
-        target = self.continuation[index]
-        logprob = float(torch.log_softmax(logits[-1].float(), dim=-1)[target])
-        self.records.append(TeacherForcedStep(predicted, target, exit_layer, logprob))
-        return target
-
+from .teacher import TeacherForcedStep, TeacherForcing
 
 
 class EarlyExitDecoder:

@@ -20,10 +20,11 @@ from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from ..exit.config import EarlyExitConfig
-from .early_exit import EarlyExitDecoder, TeacherForcedStep
+from .early_exit import EarlyExitDecoder
 from .engine import Engine
 from .full_depth import decode_full_depth
 from .sequence import RequestOutput, Sequence
+from .teacher import TeacherForcedStep
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
