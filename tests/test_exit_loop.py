@@ -48,6 +48,27 @@ def test_exit_decision_is_one_host_read_per_checked_layer(tiny):
     assert sum(reads.values()) == s["predictor_calls"] + fired + s["exit_histogram"][-1]
 
 
+def test_a_batch_reads_the_device_as_often_as_one_request(tiny):
+    """A pass over three requests (one finishing early) costs the reads of a one-token pass: one
+    per predictor call, one more when the batch settles, one for a full-depth pass."""
+    from specee.engine.sequence import Sequence
+
+    L = tiny.model.cfg.num_layers
+    texts = ("Once upon a time", "The cat", "In a small village by the sea")
+    hist_tokens = tiny.generate(list(texts), SamplingParams(max_tokens=12, ignore_eos=True))
+    drafter = FixedDrafter(sorted({t for o in hist_tokens for t in o.token_ids})[:24])
+    bank = constant_bank(L, drafter.k, [0.4, 0.6, 0.4, 0.4, float("inf")], offline=[0, 1, 2, 3])
+    dec = decoder(tiny, drafter, bank, kv_policy="recompute")
+    seqs = [Sequence(t, tiny.encode(t), SamplingParams(max_tokens=n, ignore_eos=True), tiny.tokenizer, tiny.eos_ids)
+            for t, n in zip(texts, (12, 5, 12))]
+    with count_host_reads() as reads:
+        dec.generate(seqs)
+    s = seqs[0].stats.early_exit
+    settled = s["exits_accepted"] + s["exits_rejected"]
+    assert s["exits_accepted"] > 0 and s["exits_rejected"] > 0, "the test needs both outcomes"
+    assert sum(reads.values()) == s["predictor_calls"] + settled + s["exit_histogram"][-1] // 3
+
+
 def test_rollback_forgets_the_discarded_tokens_exit_layers(tiny):
     drafter = AllTokensDrafter(tiny.model.cfg.vocab_size)
     ids = tiny.encode("The cat sat on")
