@@ -166,3 +166,31 @@ def test_greedy_lossless_identical_on_the_reference_pair(ref_bank):
             assert o.token_ids == want, f"scale {scale}: lossless output differs from full depth"
             rollbacks += o.stats.early_exit["lossless"]["rollbacks"]
     assert rollbacks > 0  # the permissive thresholds did make wrong exits, and they were repaired
+
+
+def test_greedy_lossless_identical_on_smollm2(gguf_llm):
+    """SmolLM2-135M (the Q4_1 GGUF, float32) with n-gram speculative tokens and predictors that fire
+    at every scheduled layer (a constant bank): most exits are wrong and repaired, and the output
+    equals full depth on each prompt."""
+    from conftest import MODELS
+    from ee_helpers import constant_bank
+
+    from specee.drafters.ngram import NGramDrafter
+
+    path = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        pytest.skip(f"SmolLM2 GGUF not available: {path} is absent")
+    llm = gguf_llm(path)
+    L = llm.model.cfg.num_layers
+    drafter = NGramDrafter(4, llm.model.cfg.vocab_size)
+    bank = constant_bank(L, 4, [0.4] * L, offline=[10, 18, 24, 27])  # p = 0.5 > 0.4: every check fires
+    dec = decoder(llm, drafter, bank, kv_policy="recompute", mode="lossless", max_pending=4, check_cost=0)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    rollbacks = exits = 0
+    for prompt in ("Repeat after me: the cat sat on the mat, the cat sat on the mat.", "What is the capital of France?"):
+        ids = llm.encode(prompt, chat=True)
+        seq, _ = run(llm, dec, ids, params)
+        assert seq.output_ids == full_depth(llm, ids, params), prompt
+        rollbacks += seq.stats.early_exit["lossless"]["rollbacks"]
+        exits += seq.stats.early_exit["exits_accepted"]
+    assert exits > 0 and rollbacks > 0  # exits were taken, and the wrong ones repaired
