@@ -2,12 +2,15 @@
 each request decoded alone, the full model's cache, and full depth."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
 from ee_helpers import AllTokensDrafter, decoder, forced, never_bank, random_forcing, run
 
 from specee import LLM, SamplingParams
+from specee.engine.early_exit import DecodeRun
 from specee.engine.full_depth import prefill
 from specee.engine.sequence import Sequence
 from specee.exit.config import EarlyExitConfig
@@ -99,11 +102,64 @@ def test_a_pass_exits_once_every_unfinished_request_has_fired(deep_llm):
     seqs = sequences(deep_llm, [12, 5, 12])
     r = dec.generate(seqs, AllButRow(dec, holdout=1))
     L = deep_llm.model.cfg.num_layers
-    passes = [r.scheduler.exits[i:i + 3] for i in range(0, len(r.scheduler.exits), 3)]
-    assert len(passes) == 12
-    assert all(p == [L - 1] * 3 for p in passes[:5])  # request 1 runs: nobody exits
-    assert all(p == [1] * 3 for p in passes[5:])  # it finished: every pass exits at layer 1
+    assert r.scheduler.exits == [L - 1] * 5 + [1] * 7  # one record per pass: nobody exits while request 1 runs
     assert [len(s.output_ids) for s in seqs] == [12, 5, 12]
+    # the stats count the requests' tokens, not those of a finished request riding along
+    assert seqs[0].stats.early_exit["exit_histogram"] == [0, 2 * 7] + [0] * (L - 3) + [3 * 5]
+
+
+def test_an_aborted_request_stops_holding_up_exits_at_the_next_pass(deep_llm):
+    drafter = AllTokensDrafter(deep_llm.model.cfg.vocab_size)
+    dec = decoder(deep_llm, drafter, kv_policy="recompute")
+    seqs = sequences(deep_llm, [12, 12, 12])
+    r = DecodeRun(dec, seqs, AllButRow(dec, holdout=1))
+    steps = r.steps()
+    next(steps)
+    next(steps)
+    seqs[1].finish_reason = "abort"  # what Engine.abort does
+    next(steps)
+    steps.close()
+    assert r.scheduler.exits == [deep_llm.model.cfg.num_layers - 1] * 2 + [1]
+    assert len(seqs[1].output_ids) == 2 and len(seqs[0].output_ids) == 3
+
+
+def test_a_finished_request_riding_along_may_pass_the_context(deep_llm):
+    """A long prompt with few tokens next to a short prompt with many: the finished request's rows
+    run on past the model's context (their positions are clamped, their outputs dropped)."""
+    drafter = AllTokensDrafter(deep_llm.model.cfg.vocab_size)
+    dec = decoder(deep_llm, drafter, kv_policy="skip")
+    context = deep_llm.model.cfg.context_limit
+    short = deep_llm.encode(TEXTS[0])
+    long = (deep_llm.encode(TEXTS[2]) * context)[: context - 3]
+    seqs = [Sequence(ids, list(ids), SamplingParams(max_tokens=n, ignore_eos=True), deep_llm.tokenizer, deep_llm.eos_ids)
+            for ids, n in ((short, context - len(short)), (long, 3))]
+    force = random_forcing(seed=5, rate=0.2)
+    dec.generate(seqs, forced(dec, force))
+    for s in seqs:
+        assert s.output_ids == run(deep_llm, dec, s.prompt_ids, s.params, force)[0].output_ids
+
+
+def test_requests_of_a_batch_sample_with_their_own_parameters(deep_llm):
+    """A greedy request, and seeded sampled ones: each request's tokens do not depend on its batch
+    mates (exits forced alike for every request), seeds matter, and greedy equals greedy alone."""
+    drafter = AllTokensDrafter(deep_llm.model.cfg.vocab_size)
+    dec = decoder(deep_llm, drafter, kv_policy="recompute", max_pending=64)
+    force = random_forcing(seed=3, rate=0.3)
+    ids = [deep_llm.encode(t) for t in TEXTS]
+
+    def batch(*params):
+        seqs = [Sequence(i, list(i), p, deep_llm.tokenizer, deep_llm.eos_ids) for i, p in zip(ids, params)]
+        dec.generate(seqs, forced(dec, force))
+        return [s.output_ids for s in seqs]
+
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    hot = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, top_k=40, seed=1)
+    a = batch(greedy, hot, replace(hot, seed=2))
+    b = batch(replace(hot, seed=9), hot, replace(hot, top_p=0.8, seed=2))
+    assert a[1] == b[1]  # the same request, other mates
+    assert a[1] != a[2]  # another seed
+    assert a[0] == run(deep_llm, dec, ids[0], greedy, force)[0].output_ids
+    assert a[0] != b[0]  # sampled with seed 9 instead of greedy
 
 
 def test_the_llm_batches_lossy_exits_and_decodes_lossless_one_request_at_a_time(deep_llm, tmp_path):

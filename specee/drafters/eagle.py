@@ -110,6 +110,9 @@ class EagleDrafter(Drafter):
     def advance(self, token: int) -> None:
         self._no_features()
 
+    def fork(self) -> "EagleDrafter":
+        self._no_features()
+
     def truncate(self, length: int) -> None:
         self._no_features()
 

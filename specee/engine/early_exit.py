@@ -169,7 +169,8 @@ class DecodeRun:
         if self.pads is None:
             return self.model.range_inputs(start, count)
         slots = self.cache.slot_ids[start:start + count]
-        positions = slots[None, :] - self.pads[:, None]
+        # a finished request riding along can pass the model's context: its rows are discarded
+        positions = (slots[None, :] - self.pads[:, None]).clamp_(max=self.model.cfg.max_position_embeddings - 1)
         end = start + count
         return self.model.step_inputs(positions, slots, self.cache.attention_mask(0, slots, end), end)
 
@@ -178,15 +179,22 @@ class DecodeRun:
         r = self.requests[row]
         r.history.append(token)
         self.next_ids = None  # built from the histories unless the pass sets it from the device
+        if r.seq.finished:  # a finished request of a batch rides along until the batch ends, uncounted
+            return
         self.stats.exit_histogram[exit_layer] += 1
-        self.scheduler.record(exit_layer)
+        if len(self.requests) == 1:  # a batch's schedule learns once per pass (emit_pass)
+            self.scheduler.record(exit_layer)
         if self.verifier is not None and exit_layer < self.num_layers - 1:
             self.verifier.hold(token, exit_layer, draft_probs)
-        elif not r.seq.finished:  # a finished request of a batch rides along until the batch ends
+        else:
             r.seq.append(token)
-        if r.seq.finished and row not in self.finished_at:  # (or was aborted)
-            self.finished_at[row] = device_time(self.model.device)
-            self.idle[row] = True  # its row no longer holds up an exit
+            if r.seq.finished:
+                self.mark_finished(row)
+
+    def mark_finished(self, row: int) -> None:
+        """Request `row` finished (or was aborted): its row no longer holds up a batch's exits."""
+        self.finished_at[row] = device_time(self.model.device)
+        self.idle[row] = True
 
     def done(self) -> bool:
         if all(r.seq.finished for r in self.requests):
@@ -235,7 +243,8 @@ class DecodeRun:
             self.settle_stats(t0, t1, device_time(model.device))
 
     def settle_stats(self, t0: float, t1: float, end: float) -> None:
-        """Each request's timing, exit and speculation stats (the exit stats are the run's)."""
+        """Each request's timing, exit and speculation stats (the exit stats are the run's: a batch's
+        counts cover its requests' tokens, its time shares the batch's decode time)."""
         s, e, c = self.stats, self.exit, self.dec.config
         s.predictor_calls, s.exits_rejected = e.predictor_calls, e.rejected
         s.drafter_seconds = self.timer.seconds("drafter")
@@ -245,7 +254,7 @@ class DecodeRun:
             st.prefill_seconds = t1 - t0
             st.decode_seconds = self.finished_at.get(row, end) - t1
             st.decode_tokens = len(r.seq.output_ids)  # the first token came from a decode pass too
-            st.early_exit = s.as_dict(st.decode_seconds, self.verifier is not None)
+            st.early_exit = s.as_dict(end - t1, self.verifier is not None)
             st.early_exit.update(kv_policy=c.kv_policy, mode=c.mode, offline_layers=self.dec.offline_layers,
                                  online_window=c.online_window, online_radius=c.online_radius,
                                  batch_size=len(self.requests))
@@ -262,6 +271,9 @@ class DecodeRun:
             r.catch_up_drafter()
         token_index = len(self.history) - len(self.seq.prompt_ids)
         if len(self.requests) > 1:  # one row per request
+            for row, r in enumerate(self.requests):
+                if r.seq.finished and row not in self.finished_at:  # aborted since the last pass
+                    self.mark_finished(row)
             if checking:
                 candidates = torch.stack([r.drafter.propose() for r in self.requests])
                 self.exit.begin_pass(candidates, None, token_index, self.idle)
@@ -362,6 +374,7 @@ class DecodeRun:
         if len(self.requests) > 1:
             for row, (token,) in enumerate(tokens):
                 self.emit(token, exit_layer, row=row)
+            self.scheduler.record(exit_layer)
             self.next_ids = None if ids is None else ids.view(-1, 1)
             return
         (tokens,) = tokens

@@ -1,7 +1,7 @@
 """The engine: requests in, one step at a time (shaped like vLLM's LLMEngine).
 
 `add_request` queues a Sequence; `step()` advances the running batch by one decode step (a
-full-depth step of every row, one early-exit token, or one draft-verify round) and returns
+full-depth step of every row, an early-exit pass, or one draft-verify round) and returns
 the sequences that finished in it. Full depth batches continuously: a request added while a
 full-depth batch runs joins it at the next step, and finished requests leave it (each row keeps
 its own SamplingParams). Lossy one-token early exit decodes the waiting requests as one batch
@@ -95,16 +95,16 @@ class Engine:
         return finished
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request (a closed stream): a continuous batch lets it go and runs on; in another
-        batch of several it finishes ("abort") and rides along; a request decoding alone stops."""
+        """Drop a request (a closed stream), which finishes as "abort": a continuous batch lets it go
+        and runs on; another batch of several keeps its row, idle, to its end; a request decoding
+        alone stops."""
         if any(s is seq for s in self.running):
+            seq.finish_reason = seq.finish_reason or "abort"
             if len(self.running) == 1:
                 self._close()
                 return
             if self._batch is not None:
                 self._batch.drop(seq)
-            else:
-                seq.finish_reason = seq.finish_reason or "abort"
             self.running = [s for s in self.running if s is not seq]
         else:  # by identity: two requests with the same prompt and parameters compare equal
             self.scheduler.waiting = deque(s for s in self.scheduler.waiting if s is not seq)

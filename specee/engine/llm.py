@@ -197,8 +197,9 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
-        """Generate for one prompt or a batch (one SamplingParams, or one per prompt); at full depth
-        the prompts are decoded as one batch, each request with its own parameters and generator."""
+        """Generate for one prompt or a batch (one SamplingParams, or one per prompt). At full depth
+        and with lossy early exit the prompts are decoded as one batch, each request with its own
+        parameters and generator; speculation and lossless early exit take them in turn."""
         seqs = self._sequences(prompts, sampling_params, chat)
         for s in seqs:
             self.engine.add_request(s)

@@ -46,8 +46,9 @@ from .scheduler import TwoLevelScheduler
 @dataclass
 class ExitHit:
     layer: int
-    tokens: list[int]  # the tokens the pass emits: accepted drafts, then the layer's own choice (greedy)
-    ids: torch.Tensor  # the last of them, [1], on the device: the next pass's input without a host-to-device copy
+    tokens: list[int]  # what the pass emits (greedy): a chain's accepted drafts, then the layer's own choice;
+    # a batch's: one token per request
+    ids: torch.Tensor  # the last token (a chain: [1]; a batch: [B]) on the device: the next pass's input
     logits: torch.Tensor  # [len(tokens), V] at that layer: the distributions for sampling and lossless
 
 
