@@ -146,6 +146,7 @@ def dequantized_twin(model: Transformer) -> Transformer:
             lin = getattr(w, name)
             setattr(t, name, FloatLinear(lin.dequantize().to(model.dtype), lin.bias))
     twin.head = FloatLinear(model.head.dequantize().to(model.dtype))
+    twin.fast_layers = None  # the float reference runs the Python layer
     return twin
 
 

@@ -1,7 +1,9 @@
 """The layer-granular runtime for Llama-family decoders (Llama 2/3, Mistral, Qwen2, SmolLM).
 
 Every piece a decode loop needs is a separate call so that early exit can stop between
-layers: `embed`, `layer(i, ...)`, `norm` and `lm_head`.
+layers: `embed`, `layer(i, ...)`, `norm` and `lm_head`. One token of one request through a layer
+of a quantized model on the CPU runs in C++ (model/kernels: the same kernels, none of the ~40
+calls from Python); every other shape, and float models (the reference), run the Python layer.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .quant import FloatLinear, GGUFWeight, Linear, linear_from_parts
+from .quant import FloatLinear, GGUFWeight, Linear, kernel_spec, linear_from_parts
 from .rope import apply_rope, rope_tables, signed_sin
 from .gguf import config_from_gguf, open_gguf, read_gguf_state_dict
 from .resolve import is_gguf, local_model
@@ -50,6 +52,8 @@ class StepInputs:
 
 
 class Transformer:
+    fast_layers: list | None = None  # the C++ one-token layers (see fast_layers_for), or None
+
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor | GGUFWeight], device: torch.device,
                  dtype: torch.dtype, source: Path, quantization: str | None = None):
         """tensors: HF-named weights, float tensors or GGUF raw blocks (GGUFWeight). quantization:
@@ -108,6 +112,24 @@ class Transformer:
         # CUDA's fused attention kernels take no mask together with grouped KV heads (it falls back to
         # the math kernel, scores materialised): where a mask is needed there, KV heads are expanded
         self.expand_kv_for_mask = device.type == "cuda"
+        self.fast_layers = self.fast_layers_for()
+
+    def fast_layers_for(self) -> list | None:
+        """The C++ one-token layers, for a quantized float32 model on the CPU where the kernel builds
+        (model/kernels); None elsewhere. Float models keep the Python layer, the reference that
+        matches transformers bit for bit."""
+        linears = [lin for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
+        if self.device.type != "cpu" or self.dtype != torch.float32 or all(isinstance(x, FloatLinear) for x in linears):
+            return None
+        from .kernels import decode_layer_kernel
+
+        kernel = decode_layer_kernel()
+        if kernel is None:
+            return None
+        cfg = self.cfg
+        return [kernel.DecodeLayer(w.attn_norm, w.mlp_norm, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.head_dim, *map(list, zip(*(kernel_spec(x) for x in (w.qkv, w.o, w.gate_up, w.down)))))
+                for w in self.layers]
 
     @classmethod
     def layers_only(cls, cfg: ModelConfig, layers: list[LayerWeights], device: torch.device,
@@ -170,6 +192,8 @@ class Transformer:
 
     def layer(self, i: int, h: torch.Tensor, step: StepInputs, cache: KVCache) -> torch.Tensor:
         """Decoder layer i on rows h [B, S, H]; writes their K/V into the cache at step.slots."""
+        if self.fast_layers is not None and h.shape[0] == 1 and h.shape[1] == 1 and step.mask is None:
+            return self.fast_layers[i](h, step.cos, step.sin, cache.k[i], cache.v[i], step.slots, step.kv_len)
         cfg, w = self.cfg, self.layers[i]
         B, S, _ = h.shape
         D = cfg.head_dim

@@ -208,6 +208,19 @@ class Int4Linear(_KernelLinear):
         return _present(self.packed, self.scales_and_zeros, self.scales, self.zeros, self.nibbles, self.bias)
 
 
+def kernel_spec(lin: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """How the C++ decode layer (model/kernels/decode_layer.cpp) calls `lin`, through the kernel
+    `lin` itself uses: (kind 0 float / 1 int8 / 2 int4, weight, scales, bias, int4 group); absent
+    parts are empty tensors."""
+    empty = torch.empty(0)
+    bias = empty if lin.bias is None else lin.bias
+    if isinstance(lin, Int4Linear):
+        return 2, lin.packed, lin.scales_and_zeros, bias, lin.group
+    if isinstance(lin, Int8Linear):
+        return 1, lin.qweight, lin.scales, bias, 0
+    return 0, lin.dequantize(), empty, bias, 0
+
+
 def int4_codes_from_float(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, ...]:
     """Min/max asymmetric quantization per group: (q uint8 [N, K], scales, zeros [N, K // group]).
     Scale and zero are rounded to bf16 before the weights are rounded against them, so q is

@@ -1,0 +1,108 @@
+"""The C++ one-token decoder layer (model/kernels/decode_layer.cpp) against the Python layer it
+replaces, on quantized models: layer by layer on the same inputs, and greedy decoding.
+
+Tolerance: both call the same int4/int8 kernels and attention; the C++ layer computes the RMS
+norms, RoPE and the SiLU gate in its own loops, whose float32 results differ from PyTorch's by
+an ulp or so. An activation rounded to bfloat16 for a kernel can then land on the other side of
+a rounding boundary: one bf16 step (2^-8 relative) of one input, so a product moves by at most
+2^-8 sum_k |x_k W_nk|. Through a layer's four products that is bounded here by 2^-6 of the
+layer's output scale."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from checkpoints import VARIANTS, make_checkpoint
+from conftest import greedy_with_margins, real_model_dir
+
+from specee.engine.full_depth import prefill
+from specee.model.llama import Transformer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def variant(name: str):
+    """A fixture variant whose vocabulary is a multiple of 16, as an int4 LM head needs."""
+    v = VARIANTS[name]
+    return replace(v, vocab_padding=8) if v.tokenizer == "metaspace" else v  # 312 tokens + 8
+
+
+def load(path, mode) -> Transformer:
+    model = Transformer.load(path, "cpu", torch.float32, quantization=mode)
+    if model.fast_layers is None:
+        pytest.skip("the C++ decode layer could not be built here (no compiler)")
+    return model
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "llama_attention_bias", "tied"])
+@torch.inference_mode()
+def test_the_cpp_layer_matches_the_python_layer(tmp_path, name, mode):
+    """GQA, q/k/v biases, an o bias, a tied head: each layer's output and the K/V it writes."""
+    model = load(make_checkpoint(tmp_path / name, variant(name), seed=4), mode)
+    fast = model.fast_layers
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (9,)).tolist()
+    n = len(ids) - 1
+    cache = model.new_cache(1, len(ids))
+    prefill(model, cache, [ids[:-1]])
+    step = model.range_inputs(n, 1)
+    h = model.embed(torch.tensor([[ids[-1]]]))
+    for i in range(model.cfg.num_layers):
+        twin = model.new_cache(1, len(ids))
+        twin.k.copy_(cache.k)
+        twin.v.copy_(cache.v)
+        model.fast_layers = None
+        want = model.layer(i, h, step, cache)
+        model.fast_layers = fast
+        got = model.layer(i, h, step, twin)
+        assert got.shape == want.shape == (1, 1, model.cfg.hidden_size)
+        scale = float(want.abs().max())
+        torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6 * scale)
+        for name in ("k", "v"):
+            torch.testing.assert_close(getattr(twin, name)[i], getattr(cache, name)[i], rtol=0,
+                                       atol=2 ** -6 * float(getattr(cache, name)[i].abs().max()))
+        h = want
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_greedy_decoding_through_the_cpp_layer(mode):
+    """The reference model, 24 tokens: the same tokens as the Python layer, or a first difference
+    only where the two logit vectors nearly tie (within twice their difference)."""
+    model = load(real_model_dir("ref-target-24L"), mode)
+    prompt = [t % model.cfg.vocab_size for t in (1, 415, 2936, 9060, 285, 1142, 28723, 13, 1014, 349)]
+    got, got_logits = greedy_with_margins(model, prompt, 24)
+    fast, model.fast_layers = model.fast_layers, None
+    want, want_logits = greedy_with_margins(model, prompt, 24)
+    model.fast_layers = fast
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            diff = float((got_logits[i] - want_logits[i]).abs().max())
+            margin = float(want_logits[i][b] - want_logits[i][a])
+            assert margin <= 2 * diff, f"step {i}: token {a} vs {b}, margin {margin:.4f} > 2 x {diff:.4f}"
+            break
+        torch.testing.assert_close(got_logits[i], want_logits[i], rtol=0.02, atol=0.05)
+
+
+def test_the_cpp_layer_serves_one_token_of_one_request_of_a_quantized_cpu_model(tmp_path, monkeypatch):
+    """Float models keep the Python layer (the reference), as does SPECEE_CPU_KERNELS=0; a quantized
+    model decodes one token of one request through it, and every other shape in Python."""
+    from specee import LLM, SamplingParams
+
+    path = make_checkpoint(tmp_path / "m", variant("llama3"), seed=1)
+    assert Transformer.load(path, "cpu", torch.float32).fast_layers is None
+    monkeypatch.setenv("SPECEE_CPU_KERNELS", "0")
+    assert Transformer.load(path, "cpu", torch.float32, quantization="int4").fast_layers is None
+    monkeypatch.delenv("SPECEE_CPU_KERNELS")
+    llm = LLM(path, quantization="int4")
+    if llm.model.fast_layers is None:
+        pytest.skip("the C++ decode layer could not be built here (no compiler)")
+    calls = []
+    llm.model.fast_layers = [(lambda f: lambda *a: calls.append(1) or f(*a))(f) for f in llm.model.fast_layers]
+    L, params = llm.model.cfg.num_layers, SamplingParams(max_tokens=6, ignore_eos=True)
+    llm.generate([5, 6, 7], params)
+    assert len(calls) == 5 * L  # the decode steps after the prefill's token
+    calls.clear()
+    llm.generate([[5, 6, 7], [8, 9]], params)  # a batch: the Python layer
+    assert not calls
