@@ -1,5 +1,7 @@
-"""The C++ one-token decoder layer (model/kernels/decode_layer.cpp) against the Python layer it
-replaces, on quantized models: layer by layer on the same inputs, and greedy decoding.
+"""The C++ batch-1 decoder layer (model/kernels/decode_layer.cpp) against the Python layer it
+replaces, on quantized models: layer by layer on the same inputs (one token, a verification
+pass's rows under their mask, a causal prefill, rows under skip's per-layer mask), and greedy
+decoding.
 
 Tolerance: both call the same int4/int8 kernels and attention; the C++ layer computes the RMS
 norms, RoPE and the SiLU gate in its own loops, whose float32 results differ from PyTorch's by
@@ -35,20 +37,35 @@ def load(path, mode) -> Transformer:
     return model
 
 
+def rows_case(model, cache, case: str, ids: list[int]):
+    """(step inputs, rows) for a case: the last token, the last 4 tokens (a verification pass), the
+    whole sequence from slot 0 (a prefill), or the last token reading only some slots (skip)."""
+    n = len(ids) - 1
+    if case == "token":
+        return model.range_inputs(n, 1), ids[-1:]
+    if case == "pass":
+        return model.range_inputs(n - 3, 4), ids[-4:]
+    if case == "prefill":
+        return model.range_inputs(0, len(ids)), ids
+    step = model.range_inputs(n, 1)
+    step.mask = (torch.arange(n + 1) % 3 != 1).view(1, 1, 1, n + 1)  # holes, as skip leaves
+    return step, ids[-1:]
+
+
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "llama_attention_bias", "tied"])
+@pytest.mark.parametrize("case", ["token", "pass", "prefill", "holes"])
 @torch.inference_mode()
-def test_the_cpp_layer_matches_the_python_layer(tmp_path, name, mode):
+def test_the_cpp_layer_matches_the_python_layer(tmp_path, name, mode, case):
     """GQA, q/k/v biases, an o bias, a tied head: each layer's output and the K/V it writes."""
     model = load(make_checkpoint(tmp_path / name, variant(name), seed=4), mode)
     fast = model.fast_layers
     torch.manual_seed(0)
     ids = torch.randint(0, model.cfg.vocab_size, (9,)).tolist()
-    n = len(ids) - 1
     cache = model.new_cache(1, len(ids))
     prefill(model, cache, [ids[:-1]])
-    step = model.range_inputs(n, 1)
-    h = model.embed(torch.tensor([[ids[-1]]]))
+    step, rows = rows_case(model, cache, case, ids)
+    h = model.embed(torch.tensor([rows]))
     for i in range(model.cfg.num_layers):
         twin = model.new_cache(1, len(ids))
         twin.k.copy_(cache.k)
@@ -57,7 +74,7 @@ def test_the_cpp_layer_matches_the_python_layer(tmp_path, name, mode):
         want = model.layer(i, h, step, cache)
         model.fast_layers = fast
         got = model.layer(i, h, step, twin)
-        assert got.shape == want.shape == (1, 1, model.cfg.hidden_size)
+        assert got.shape == want.shape == (1, len(rows), model.cfg.hidden_size)
         scale = float(want.abs().max())
         torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6 * scale)
         for name in ("k", "v"):
@@ -85,9 +102,9 @@ def test_greedy_decoding_through_the_cpp_layer(mode):
         torch.testing.assert_close(got_logits[i], want_logits[i], rtol=0.02, atol=0.05)
 
 
-def test_the_cpp_layer_serves_one_token_of_one_request_of_a_quantized_cpu_model(tmp_path, monkeypatch):
+def test_the_cpp_layer_serves_one_request_of_a_quantized_cpu_model(tmp_path, monkeypatch):
     """Float models keep the Python layer (the reference), as does SPECEE_CPU_KERNELS=0; a quantized
-    model decodes one token of one request through it, and every other shape in Python."""
+    model runs one request's prefill and decode steps through it, a batch of several in Python."""
     from specee import LLM, SamplingParams
 
     path = make_checkpoint(tmp_path / "m", variant("llama3"), seed=1)
@@ -102,7 +119,7 @@ def test_the_cpp_layer_serves_one_token_of_one_request_of_a_quantized_cpu_model(
     llm.model.fast_layers = [(lambda f: lambda *a: calls.append(1) or f(*a))(f) for f in llm.model.fast_layers]
     L, params = llm.model.cfg.num_layers, SamplingParams(max_tokens=6, ignore_eos=True)
     llm.generate([5, 6, 7], params)
-    assert len(calls) == 5 * L  # the decode steps after the prefill's token
+    assert len(calls) == 6 * L  # the prefill and the decode steps after its token
     calls.clear()
     llm.generate([[5, 6, 7], [8, 9]], params)  # a batch: the Python layer
     assert not calls

@@ -1,9 +1,10 @@
 """The layer-granular runtime for Llama-family decoders (Llama 2/3, Mistral, Qwen2, SmolLM).
 
 Every piece a decode loop needs is a separate call so that early exit can stop between
-layers: `embed`, `layer(i, ...)`, `norm` and `lm_head`. One token of one request through a layer
-of a quantized model on the CPU runs in C++ (model/kernels: the same kernels, none of the ~40
-calls from Python); every other shape, and float models (the reference), run the Python layer.
+layers: `embed`, `layer(i, ...)`, `norm` and `lm_head`. The rows of one sequence (batch 1: a
+token, a verification pass, a prefill) through a layer of a quantized model on the CPU run in C++
+(model/kernels: the same kernels, none of the ~40 calls from Python); batches of several
+sequences, and float models (the reference), run the Python layer.
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ class StepInputs:
 
 
 class Transformer:
-    fast_layers: list | None = None  # the C++ one-token layers (see fast_layers_for), or None
+    fast_layers: list | None = None  # the C++ layers for batch 1 (see fast_layers_for), or None
+    _no_mask = torch.empty(0, dtype=torch.bool)
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor | GGUFWeight], device: torch.device,
                  dtype: torch.dtype, source: Path, quantization: str | None = None):
@@ -115,7 +117,7 @@ class Transformer:
         self.fast_layers = self.fast_layers_for()
 
     def fast_layers_for(self) -> list | None:
-        """The C++ one-token layers, for a quantized float32 model on the CPU where the kernel builds
+        """The C++ batch-1 layers, for a quantized float32 model on the CPU where the kernel builds
         (model/kernels); None elsewhere. Float models keep the Python layer, the reference that
         matches transformers bit for bit."""
         linears = [lin for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
@@ -192,8 +194,10 @@ class Transformer:
 
     def layer(self, i: int, h: torch.Tensor, step: StepInputs, cache: KVCache) -> torch.Tensor:
         """Decoder layer i on rows h [B, S, H]; writes their K/V into the cache at step.slots."""
-        if self.fast_layers is not None and h.shape[0] == 1 and h.shape[1] == 1 and step.mask is None:
-            return self.fast_layers[i](h, step.cos, step.sin, cache.k[i], cache.v[i], step.slots, step.kv_len)
+        if self.fast_layers is not None and h.shape[0] == 1:
+            mask = self._no_mask if step.mask is None else step.mask
+            return self.fast_layers[i](h, step.cos, step.sin, cache.k[i], cache.v[i], step.slots, step.kv_len, mask,
+                                       step.causal)
         cfg, w = self.cfg, self.layers[i]
         B, S, _ = h.shape
         D = cfg.head_dim

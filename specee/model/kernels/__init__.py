@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 SOURCE = Path(__file__).with_name("decode_layer.cpp")
-NAME = "specee_decode_layer_v1"  # a new name for a changed ABI: torch rebuilds on source changes anyway
+NAME = "specee_decode_layer_v2"  # a new name for a changed ABI: torch rebuilds on source changes anyway
 
 
 def decode_layer_kernel() -> ModuleType | None:

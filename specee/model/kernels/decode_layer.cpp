@@ -1,8 +1,9 @@
-// One decoder layer for one token on the CPU (batch 1, one row, no mask): the layer of
-// model/llama.py, with its elementwise work (RMS norms, RoPE, the K/V write, SiLU gate and the
-// residual adds) in plain loops and its products and attention through the same ATen kernels.
-// Why: at batch 1 on a small model the ~40 ATen calls a layer makes from Python cost more than
-// its products (SmolLM2-135M: 4 of 11 ms per token); here a layer makes six.
+// One decoder layer for the rows of one sequence on the CPU (batch 1: a token, a verification
+// pass's rows, a prefill): the layer of model/llama.py, with its elementwise work (RMS norms,
+// RoPE, the K/V write, SiLU gate and the residual adds) in plain loops and its products and
+// attention through the same ATen kernels. Why: at batch 1 on a small model the ~40 ATen calls a
+// layer makes from Python cost more than its products (SmolLM2-135M: 4 of 11 ms per token);
+// here a layer makes about eight.
 #include <torch/extension.h>
 
 #include <cmath>
@@ -57,40 +58,54 @@ class DecodeLayer {
     for (int i = 0; i < 4; ++i) lin_[i] = Linear{kinds[i], weights[i], aux[i], biases[i], groups[i]};
   }
 
-  // h [1, 1, H]; cos, sin [D] for the token's position; the layer's cache k, v [1, kv_heads, len, D];
-  // slots: the token's cache slot (a one-element int64 tensor); kv_len: slots attention reads.
+  // Rows h [1, S, H] of one sequence at cache `slots` [S] (int64); cos, sin [1, S, 1, D] (their
+  // positions); the layer's cache k, v [1, kv_heads, len, D]; kv_len: slots attention reads;
+  // mask: [1, 1, S, kv_len] bool or empty (none); causal: rows are slots 0..S-1 (no mask needed).
   at::Tensor forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                     at::Tensor v_cache, const at::Tensor& slots, int64_t kv_len) const {
-    const int64_t H = h.size(-1), D = head_dim_, NH = heads_, NKV = kv_heads_;
-    const at::Tensor hc = h.contiguous(), c = cos.contiguous(), s = sin.contiguous();
-    const int64_t slot = slots.data_ptr<int64_t>()[0];
-    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot < k_cache.size(2), "DecodeLayer: cache");
-    at::Tensor x = at::empty({1, H}, h.options());
-    rms_norm(hc.data_ptr<float>(), attn_norm_.data_ptr<float>(), x.data_ptr<float>(), H, eps_);
-    const at::Tensor qkv = lin_[0](x);
-    const float* Q = qkv.data_ptr<float>();
-    at::Tensor q = at::empty({1, NH, 1, D}, h.options());
+                     at::Tensor v_cache, const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
+                     bool causal) const {
+    const int64_t S = h.size(1), H = h.size(2), D = head_dim_, NH = heads_, NKV = kv_heads_;
+    const at::Tensor hc = h.contiguous(), c = cos.contiguous(), sn = sin.contiguous(), sl = slots.contiguous();
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && c.numel() == S * D && sl.numel() == S,
+                "DecodeLayer: inputs");
+    const int64_t* slot = sl.data_ptr<int64_t>();
+    const float* cs = c.data_ptr<float>();
+    const float* sg = sn.data_ptr<float>();
+    at::Tensor x = at::empty({S, H}, h.options());
+    for (int64_t r = 0; r < S; ++r)
+      rms_norm(hc.data_ptr<float>() + r * H, attn_norm_.data_ptr<float>(), x.data_ptr<float>() + r * H, H, eps_);
+    const at::Tensor qkv = lin_[0](x);  // [S, (NH + 2 NKV) D]
+    at::Tensor q = at::empty({1, NH, S, D}, h.options());
     float* qo = q.data_ptr<float>();
     float* K = k_cache.data_ptr<float>();
     float* V = v_cache.data_ptr<float>();
-    const int64_t len = k_cache.size(2);
-    for (int64_t i = 0; i < NH; ++i) rope(Q + i * D, c.data_ptr<float>(), s.data_ptr<float>(), qo + i * D, D);
-    for (int64_t j = 0; j < NKV; ++j) {
-      rope(Q + (NH + j) * D, c.data_ptr<float>(), s.data_ptr<float>(), K + (j * len + slot) * D, D);
-      std::copy(Q + (NH + NKV + j) * D, Q + (NH + NKV + j + 1) * D, V + (j * len + slot) * D);
+    const int64_t len = k_cache.size(2), W = (NH + 2 * NKV) * D;
+    for (int64_t r = 0; r < S; ++r) {
+      TORCH_CHECK(slot[r] < len, "DecodeLayer: slot past the cache");
+      const float* row = qkv.data_ptr<float>() + r * W;
+      for (int64_t i = 0; i < NH; ++i) rope(row + i * D, cs + r * D, sg + r * D, qo + (i * S + r) * D, D);
+      for (int64_t j = 0; j < NKV; ++j) {
+        rope(row + (NH + j) * D, cs + r * D, sg + r * D, K + (j * len + slot[r]) * D, D);
+        std::copy(row + (NH + NKV + j) * D, row + (NH + NKV + j + 1) * D, V + (j * len + slot[r]) * D);
+      }
     }
+    std::optional<at::Tensor> attn_mask;
+    if (mask.numel()) attn_mask = mask;
     const at::Tensor attn = at::scaled_dot_product_attention(q, k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len),
-                                                              {}, 0.0, false, std::nullopt, NH != NKV);
-    at::Tensor out = hc.view({1, H}) + lin_[1](attn.reshape({1, NH * D}));
-    rms_norm(out.data_ptr<float>(), mlp_norm_.data_ptr<float>(), x.data_ptr<float>(), H, eps_);
-    const at::Tensor gu = lin_[2](x);
+                                                              attn_mask, 0.0, causal, std::nullopt, NH != NKV);
+    at::Tensor out = hc.view({S, H}) + lin_[1](attn.transpose(1, 2).reshape({S, NH * D}));
+    for (int64_t r = 0; r < S; ++r)
+      rms_norm(out.data_ptr<float>() + r * H, mlp_norm_.data_ptr<float>(), x.data_ptr<float>() + r * H, H, eps_);
+    const at::Tensor gu = lin_[2](x);  // [S, 2 I]
     const int64_t I = gu.size(1) / 2;
-    at::Tensor act = at::empty({1, I}, h.options());
-    const float* g = gu.data_ptr<float>();
-    float* a = act.data_ptr<float>();
-    for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+    at::Tensor act = at::empty({S, I}, h.options());
+    for (int64_t r = 0; r < S; ++r) {
+      const float* g = gu.data_ptr<float>() + r * 2 * I;
+      float* a = act.data_ptr<float>() + r * I;
+      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+    }
     out.add_(lin_[3](act));
-    return out.view({1, 1, H});
+    return out.view({1, S, H});
   }
 
  private:
