@@ -192,3 +192,23 @@ def test_bank_cache_key_names_quantization_only_when_weights_are_quantized(tmp_p
         llm = LLM(path, quantization=q, progress=False)
         keys[q] = llm.bank_cache_path(NGramDrafter(4, llm.model.cfg.vocab_size, llm.model.device), 4).name
     assert keys["auto"] == keys[None] and keys["int4"] != keys[None] and "-int4-" in keys["int4"]
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@torch.inference_mode()
+def test_a_quantized_heads_best_logits_are_its_own_float32_products(mode):
+    """The kernels return bfloat16 logits (0.125 apart near 25), which can tie or swap the best
+    tokens; the top few per row are recomputed in float32 from the dequantized head, so greedy
+    picks exactly the argmax of x @ W^T with the quantized weights W."""
+    from specee.model.llama import REFINED
+
+    model = Transformer.load(real_model_dir("ref-target-24L"), "cpu", torch.float32, quantization=mode)
+    torch.manual_seed(3)
+    x = model.norm(torch.randn(64, model.cfg.hidden_size) * 4)
+    logits = model.lm_head(x)
+    ref = x @ model.head.dequantize().t()
+    raw = model.head(x)  # the kernel's own, bfloat16-rounded
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    assert not torch.equal(raw, logits)
+    ids = raw.topk(REFINED, dim=-1).indices  # the entries recomputed
+    torch.testing.assert_close(logits.gather(-1, ids), ref.gather(-1, ids), rtol=1e-5, atol=1e-5)

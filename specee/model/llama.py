@@ -23,6 +23,9 @@ from .resolve import is_gguf, local_model
 from .weights import check_config_fits, read_state_dict, take
 
 
+REFINED = 8  # a quantized LM head's top logits per row recomputed in float32 (see Transformer.lm_head)
+
+
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
@@ -239,7 +242,18 @@ class Transformer:
         return F.rms_norm(h, (self.cfg.hidden_size,), self.final_norm, self.cfg.rms_norm_eps)
 
     def lm_head(self, h_normed: torch.Tensor) -> torch.Tensor:
-        return self.head(h_normed)
+        """Logits [..., V]. A quantized head's kernel returns them rounded to bfloat16 (8 bits: 0.125
+        apart near 25), so the best few can tie or swap (SmolLM2's first answer token: 'The' 25.33 and
+        'L' 25.24 in float32 both became 25.25); each row's top REFINED are recomputed in float32
+        from the head's dequantized rows, so the argmax is the quantized weights' own."""
+        logits = self.head(h_normed)
+        if isinstance(self.head, FloatLinear):
+            return logits
+        ids = logits.topk(REFINED, dim=-1).indices  # [..., REFINED]
+        exact = (self.head.rows(ids).float() * h_normed.float().unsqueeze(-2)).sum(-1)
+        if self.head.bias is not None:
+            exact += self.head.bias[ids].float()
+        return logits.scatter_(-1, ids, exact.to(logits.dtype))  # the kernel's output: ours to change
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
