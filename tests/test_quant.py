@@ -154,7 +154,7 @@ def dequantized_twin(model: Transformer) -> Transformer:
 def test_greedy_quantized_model_equals_its_dequantized_float_model(mode):
     path = real_model_dir("ref-target-24L")
     model = Transformer.load(path, "cpu", torch.float32, quantization=mode)
-    model.head_ranker = None  # the int8 head's own kernel; its int4 ranking is tested below
+    model.head.ranker = None  # the int8 head's own kernel; its int4 ranking is tested below
     twin = dequantized_twin(model)
     prompt = [1, 415, 2936, 9060, 285, 1142, 28723, 13, 1014, 349]
     prompt = [t % model.cfg.vocab_size for t in prompt]
@@ -202,7 +202,6 @@ def test_a_quantized_heads_best_logits_are_its_own_float32_products(mode):
     tokens; the top few per row (ranked by an int4 copy of an int8 head) are recomputed in float32
     from the dequantized head, so greedy picks exactly the argmax of x @ W^T with the quantized
     weights W; the other logits stay within int4's error of those products."""
-    from specee.model.llama import REFINED
 
     model = Transformer.load(real_model_dir("ref-target-24L"), "cpu", torch.float32, quantization=mode)
     prompt = [t % model.cfg.vocab_size for t in (1, 415, 2936, 9060, 285, 1142, 28723, 13, 1014, 349)]
@@ -210,13 +209,13 @@ def test_a_quantized_heads_best_logits_are_its_own_float32_products(mode):
     x = model.norm(model.hidden_states(prompt + tokens)[-1])  # the model's own states: 58 positions
     logits = model.lm_head(x)
     ref = x @ model.head.dequantize().t()
-    raw = (model.head_ranker or model.head)(x)  # the kernel's own, bfloat16-rounded (an int8 head: ranked in int4)
+    raw = (model.head.ranker or model.head.head)(x)  # the kernel's own, bfloat16-rounded (an int8 head: ranked in int4)
     assert torch.equal(logits.argmax(-1), ref.argmax(-1))
     assert not torch.equal(raw, logits)
-    ids = raw.topk(REFINED, dim=-1).indices  # the entries recomputed
+    ids = raw.topk(model.head.refined, dim=-1).indices  # the entries recomputed
     torch.testing.assert_close(logits.gather(-1, ids), ref.gather(-1, ids), rtol=1e-5, atol=1e-5)
     if mode == "int8":  # ranked by the int4 copy: its own error, half a group step per weight at most
-        assert model.head_ranker is not None
-        W4 = model.head_ranker.dequantize()
+        assert model.head.ranker is not None
+        W4 = model.head.ranker.dequantize()
         bound = (x.abs() @ (W4 - model.head.dequantize()).abs().t()) + 2 ** -7 * (x.abs() @ W4.abs().t())
         assert ((logits - ref).abs() <= bound).all()

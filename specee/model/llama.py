@@ -16,14 +16,11 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .quant import FloatLinear, GGUFWeight, Int4Linear, Int8Linear, Linear, kernel_spec, linear_from_parts
+from .quant import FloatLinear, GGUFWeight, Linear, RefinedHead, kernel_spec, linear_from_parts
 from .rope import apply_rope, rope_tables, signed_sin
 from .gguf import config_from_gguf, open_gguf, read_gguf_state_dict
 from .resolve import is_gguf, local_model
 from .weights import check_config_fits, read_state_dict, take
-
-
-REFINED = 16  # a quantized LM head's top logits per row recomputed in float32 (see Transformer.lm_head)
 
 
 @dataclass
@@ -57,7 +54,6 @@ class StepInputs:
 
 class Transformer:
     fast_layers: list | None = None  # the C++ layers for batch 1 (see fast_layers_for), or None
-    head_ranker: Linear | None = None  # an int4 copy of an int8 LM head that ranks its rows (see lm_head)
     _no_mask = torch.empty(0, dtype=torch.bool)
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor | GGUFWeight], device: torch.device,
@@ -110,8 +106,7 @@ class Transformer:
                 self.head = FloatLinear(self.embedding)  # one tensor for both, no copy
         else:
             self.head = linear([("lm_head.weight", cfg.vocab_size, H)], keep_rows=True)
-        if isinstance(self.head, Int8Linear) and device.type == "cpu" and H % 32 == 0 and cfg.vocab_size % 16 == 0:
-            self.head_ranker = Int4Linear.from_float(self.head.dequantize())
+        self.head = RefinedHead.around(self.head)  # a quantized head's best logits exact (quant.py)
         check_config_fits(cfg, tensors, source)
         cos, sin = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
         self.cos_table, self.sin_table = cos, signed_sin(sin)
@@ -167,8 +162,6 @@ class Transformer:
         """Bytes of resident weights (embedding, norms, linears; not the RoPE tables or KV cache),
         each storage counted once (a float kv is a view of qkv, a float tied head is the embedding)."""
         tensors = [self.embedding, self.final_norm, *self.head.tensors()]
-        if self.head_ranker is not None:
-            tensors += self.head_ranker.tensors()
         for w in self.layers:
             tensors += [w.attn_norm, w.mlp_norm]
             for lin in (w.qkv, w.kv, w.o, w.gate_up, w.down):
@@ -247,21 +240,7 @@ class Transformer:
         return F.rms_norm(h, (self.cfg.hidden_size,), self.final_norm, self.cfg.rms_norm_eps)
 
     def lm_head(self, h_normed: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V]. A quantized head's kernel returns them rounded to bfloat16 (8 bits: 0.125
-        apart near 25), so the best few can tie or swap (SmolLM2's first answer token: 'The' 25.33 and
-        'L' 25.24 in float32 both became 25.25); each row's top REFINED are recomputed in float32
-        from the head's dequantized rows, so the argmax is the quantized weights' own. An int8 head
-        on the CPU is ranked by an int4 copy (a third of the time: the head was a fifth of a
-        SmolLM2 token) and only its top REFINED rows are read in int8: the argmax equalled the int8
-        head's at 1,024 of 1,024 text positions (8 candidates: 1,023), the other logits carry int4's error."""
-        if isinstance(self.head, FloatLinear):
-            return self.head(h_normed)
-        logits = (self.head_ranker or self.head)(h_normed)
-        ids = logits.topk(REFINED, dim=-1).indices  # [..., REFINED]
-        exact = (self.head.rows(ids).float() * h_normed.float().unsqueeze(-2)).sum(-1)
-        if self.head.bias is not None:
-            exact += self.head.bias[ids].float()
-        return logits.scatter_(-1, ids, exact.to(logits.dtype))  # the kernel's output: ours to change
+        return self.head(h_normed)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
