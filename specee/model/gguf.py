@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig, UnsupportedModelError
-from .quant import GGUFWeight
+from .gguf_blocks import GGUFWeight
 from .weights import CheckpointError
 
 # GGUF `general.architecture` -> the transformers class name specee's ModelConfig uses

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .quant import FloatLinear, GGUFWeight, Linear, RefinedHead, kernel_spec, linear_from_parts
+from .gguf_blocks import GGUFWeight
+from .quant import FloatLinear, Linear, RefinedHead, kernel_spec, linear_from_parts
 from .rope import apply_rope, rope_tables, signed_sin
 from .gguf import config_from_gguf, open_gguf, read_gguf_state_dict
 from .resolve import is_gguf, local_model
@@ -124,9 +125,9 @@ class Transformer:
         linears = [lin for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
         if self.device.type != "cpu" or self.dtype != torch.float32 or all(isinstance(x, FloatLinear) for x in linears):
             return None
-        from .kernels import decode_layer_kernel
+        from .kernels import cpu_kernels
 
-        kernel = decode_layer_kernel()
+        kernel = cpu_kernels()
         if kernel is None:
             return None
         cfg = self.cfg

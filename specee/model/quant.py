@@ -3,7 +3,9 @@
 Decoding on a CPU is bound by reading weights; these layers keep 4 or 8 bits per weight and
 multiply through PyTorch's own kernels (`_weight_int4pack_mm[_for_cpu]`, `_weight_int8pack_mm`),
 which take bfloat16 activations (float32 activations are several times slower: see
-benchmarks/bench_kernels.py). Every layer has `dequantize()`, the float weight the kernel
+benchmarks/bench_kernels.py), except int4 on a CPU with AVX-512 VNNI: specee's own kernel
+(model/kernels/int4_matmul.cpp, activations rounded per group of 32 to int8, as llama.cpp does)
+reads the weights faster than PyTorch's widens them. Every layer has `dequantize()`, the float weight the kernel
 effectively uses: the reference the tests check the kernels against.
 
 All linears share one small interface (`__call__`, `rows`, `take_rows`, `dequantize`, `tensors`)
@@ -11,15 +13,12 @@ so the runtime calls them without knowing the format.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    import gguf
+from .gguf_blocks import GGUFWeight, gguf_int4_codes
 
 MODES = ("int4", "int8", "auto")  # auto: each GGUF tensor's nearest native format, float stays float
 INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K groups are 32 weights: one repack for both sources
@@ -73,18 +72,19 @@ def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
 
 
 class _KernelLinear:
-    """What the two integer formats share: bf16 kernel activations, output in the caller's dtype."""
+    """What the two integer formats share: activations in the kernel's dtype, output in the caller's."""
 
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+    input_dtype: torch.dtype = KERNEL_DTYPE  # PyTorch's kernels take bf16; the VNNI kernel rounds float32 itself
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self._matmul(x.reshape(-1, self.in_features).to(KERNEL_DTYPE)).view(*shape[:-1], self.out_features)
+        y = self._matmul(x.reshape(-1, self.in_features).to(self.input_dtype)).view(*shape[:-1], self.out_features)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -130,6 +130,23 @@ class Int8Linear(_KernelLinear):
         return _present(self.qweight, self.scales, self.bias)
 
 
+def _vnni_pack(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] (0..15) in the VNNI kernel's layout (model/kernels/int4_matmul.cpp): uint8
+    [N/64, K/8, 4, 64], output n = 64 b + 16 t + lane, input k = 8 c + 4 half + j; byte 4 lane + j
+    holds half 0 in its low nibble and half 1 in its high one."""
+    N, K = q.shape
+    v = q.view(N // 64, 4, 16, K // 8, 2, 4).permute(0, 3, 1, 2, 4, 5)  # b, c, t, lane, half, j
+    return (v[..., 0, :] | v[..., 1, :] << 4).reshape(N // 64, K // 8, 4, 64).contiguous()
+
+
+def _vnni_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of _vnni_pack: q [N, K]."""
+    B, C = packed.shape[:2]
+    p = packed.view(B, C, 4, 16, 4)
+    v = torch.stack([p & 15, p >> 4], dim=-2)  # b, c, t, lane, half, j
+    return v.permute(0, 2, 3, 1, 4, 5).reshape(B * 64, C * 8)
+
+
 class Int4Linear(_KernelLinear):
     """4-bit weights in groups of `group` along the input dim, a scale and zero per group:
     W = (q - 8) * scale + zero, q in 0..15 (the form of PyTorch's int4 kernels).
@@ -149,11 +166,23 @@ class Int4Linear(_KernelLinear):
         self.out_features, self.in_features, self.group = N, K, group
         self.scales, self.zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)  # [N, G]
         self.bias = bias
-        if q.device.type == "cuda":
-            self.packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+        # the CPU VNNI kernel (model/kernels/int4_matmul.cpp) where it runs and the shape fits
+        self.vnni = None
+        if q.device.type == "cpu" and group == 32 and N % 64 == 0:
+            from .kernels import int4_kernel
+
+            self.vnni = int4_kernel()
+        if self.vnni is not None:
+            self.input_dtype = torch.float32
+            self.packed = _vnni_pack(q)
+            self.scales_and_zeros = (  # bf16 [N/64, G, (scale, zero), 64]
+                torch.stack([self.scales, self.zeros]).view(2, N // 64, 64, K // group).permute(1, 3, 0, 2).contiguous())
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
+            if q.device.type == "cuda":
+                self.packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+            else:
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
         self.nibbles = (q[:, 0::2] | q[:, 1::2] << 4).contiguous() if keep_rows else None  # [N, K/2]
 
     @classmethod
@@ -162,6 +191,8 @@ class Int4Linear(_KernelLinear):
         return cls(*int4_codes_from_float(weight, group), group, bias, keep_rows)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None:
+            return self.vnni.int4_mm(x2d, self.packed, self.scales_and_zeros)
         if x2d.device.type == "cuda":
             return torch.ops.aten._weight_int4pack_mm(x2d, self.packed, self.group, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group, self.scales_and_zeros)
@@ -174,8 +205,11 @@ class Int4Linear(_KernelLinear):
         return torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # [..., K]
 
     def _kernel_ints(self) -> torch.Tensor:
-        """All of q, recovered from the packed weight by multiplying the identity (float32 on CPU:
-        each output is one product, exact), so nothing here trusts the kernel's private packing."""
+        """All of q, recovered from the packed weight: unpacked from specee's own VNNI layout, or
+        by multiplying the identity through PyTorch's kernel (float32 on CPU: each output is one
+        product, exact), so nothing here trusts that kernel's private packing."""
+        if self.vnni is not None:
+            return _vnni_unpack(self.packed)
         dtype = torch.float32 if self.packed.device.type == "cpu" else KERNEL_DTYPE
         eye = torch.eye(self.in_features, dtype=dtype, device=self.packed.device)
         op = torch.ops.aten._weight_int4pack_mm if self.packed.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -259,12 +293,12 @@ class RefinedHead:
 
 def kernel_spec(lin: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """How the C++ decode layer (model/kernels/decode_layer.cpp) calls `lin`, through the kernel
-    `lin` itself uses: (kind 0 float / 1 int8 / 2 int4, weight, scales, bias, int4 group); absent
-    parts are empty tensors."""
+    `lin` itself uses: (kind 0 float / 1 int8 / 2 int4 / 3 VNNI int4, weight, scales, bias, int4
+    group); absent parts are empty tensors."""
     empty = torch.empty(0)
     bias = empty if lin.bias is None else lin.bias
     if isinstance(lin, Int4Linear):
-        return 2, lin.packed, lin.scales_and_zeros, bias, lin.group
+        return 3 if lin.vnni is not None else 2, lin.packed, lin.scales_and_zeros, bias, lin.group
     if isinstance(lin, Int8Linear):
         return 1, lin.qweight, lin.scales, bias, 0
     return 0, lin.dequantize(), empty, bias, 0
@@ -281,100 +315,6 @@ def int4_codes_from_float(weight: torch.Tensor, group: int = INT4_GROUP) -> tupl
     zeros = (lo + 8 * scales).to(KERNEL_DTYPE).float()
     q = torch.round((w - zeros.unsqueeze(-1)) / scales.unsqueeze(-1) + 8).clamp(0, 15)
     return q.to(torch.uint8).view(N, K), scales, zeros
-
-
-# ---- GGUF tensors -----------------------------------------------------------------------------
-@dataclass
-class GGUFWeight:
-    """A GGUF tensor kept as its raw blocks: `data` is what gguf.GGUFReader gives (rows along dim 0:
-    uint8 [N, bytes per row] for quantized types), `shape` the weight's (N, K)."""
-
-    qtype: gguf.GGMLQuantizationType
-    data: np.ndarray
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        from gguf.quants import quant_shape_from_byte_shape
-
-        return tuple(quant_shape_from_byte_shape(self.data.shape, self.qtype)) if self.data.dtype == np.uint8 \
-            else tuple(self.data.shape)
-
-    def dequantize(self) -> torch.Tensor:
-        """gguf's own float32 dequantization, one vectorized call over all blocks (gguf.quants.dequantize
-        walks a memory map row group by row group, several times slower)."""
-        from gguf.quants import dequantize
-
-        if self.data.dtype != np.uint8 or self.qtype.name not in _GGUF_QUANTS:
-            return torch.from_numpy(np.require(dequantize(self.data, self.qtype), np.float32, ["C", "W"]))
-        return torch.from_numpy(_dequantize_blocks(self.qtype, self.data).reshape(self.shape))
-
-    def to(self, device=None, dtype=None) -> torch.Tensor:
-        """As a float tensor (the embedding, norms, or a weight the caller wants float)."""
-        return self.dequantize().to(device=device, dtype=dtype)
-
-    def native_format(self) -> str | None:
-        """The kernel format nearest this tensor's own precision: Q4_0/Q4_1/Q4_K -> int4 (codes exact),
-        other quantized types (Q5_x, Q6_K, Q8_0, ...) -> int8 (requantized), float types -> None."""
-        from gguf import GGMLQuantizationType as T
-
-        if self.qtype in (T.Q4_0, T.Q4_1, T.Q4_K):
-            return "int4"
-        return None if self.qtype in (T.F32, T.F16, T.BF16) else "int8"
-
-
-_GGUF_QUANTS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
-
-
-def _dequantize_blocks(qtype, data: np.ndarray) -> np.ndarray:
-    """gguf.quants' dequantization of `qtype` applied to all blocks of `data` at once: float32 [blocks, block]."""
-    import gguf.quants
-
-    size = gguf.quants.GGML_QUANT_SIZES[qtype][1]
-    return getattr(gguf.quants, qtype.name).dequantize_blocks(np.ascontiguousarray(data).reshape(-1, size))
-
-
-def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 / Q4_K blocks as int4 groups of 32, without a float round trip of the weights:
-    (q uint8 [N, K], scales, zeros float32 [N, K // 32]) with W = (q - 8) * scale + zero.
-
-    The 4-bit codes are gguf's own: gguf.quants dequantizes a copy of the blocks whose scales are
-    set to 1 and mins to 0, which yields the codes exactly (no nibble order re-derived here).
-      Q4_0: W = d (q - 8)              -> scale d,      zero 0
-      Q4_1: W = d q + m                -> scale d,      zero m + 8 d
-      Q4_K: W = d sc_j q - dmin m_j    -> scale d sc_j, zero 8 d sc_j - dmin m_j  (6-bit sc_j, m_j per 32)
-    In float32 these scales and zeros are exact (fp16 times a 6-bit integer) up to the one rounding
-    of the zero's sum; the kernel reads them in bf16, which is where the repack rounds (see README)."""
-    from gguf import GGMLQuantizationType as T
-    from gguf.quants import Q4_K, GGML_QUANT_SIZES
-
-    N, K = w.shape
-    block, size = GGML_QUANT_SIZES[w.qtype]
-    blocks = np.ascontiguousarray(w.data).reshape(-1, size)
-    f16 = lambda a: a.view(np.float16).astype(np.float32).reshape(N, -1)  # noqa: E731
-    unit = blocks.copy()
-    unit[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)  # d = 1
-    if w.qtype == T.Q4_0:
-        scales, zeros = f16(blocks[:, 0:2]), None
-        codes = _dequantize_blocks(w.qtype, unit) + 8
-    elif w.qtype == T.Q4_1:
-        d, m = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
-        unit[:, 2:4] = 0  # m = 0
-        scales, zeros = d, m + 8 * d
-        codes = _dequantize_blocks(w.qtype, unit)
-    elif w.qtype == T.Q4_K:
-        d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
-        sc, m = (a.astype(np.float32).reshape(N, -1, 8) for a in Q4_K.get_scale_min(blocks[:, 4:16]))
-        scales = (d.reshape(N, -1, 1) * sc).reshape(N, -1)
-        zeros = (8 * d.reshape(N, -1, 1) * sc - dmin.reshape(N, -1, 1) * m).reshape(N, -1)
-        unit[:, 2:4] = 0  # dmin = 0
-        unit[:, 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)  # every sc_j = 1, m_j = 0
-        codes = _dequantize_blocks(w.qtype, unit)
-    else:
-        raise ValueError(f"{w.qtype.name} blocks are not int4 groups (only Q4_0, Q4_1, Q4_K are)")
-    q = torch.from_numpy(codes.reshape(N, K).astype(np.uint8))
-    scales = torch.from_numpy(np.ascontiguousarray(scales, np.float32))
-    zeros = torch.zeros_like(scales) if zeros is None else torch.from_numpy(np.ascontiguousarray(zeros, np.float32))
-    return q, scales, zeros
 
 
 # ---- building a linear from a checkpoint's parts ----------------------------------------------

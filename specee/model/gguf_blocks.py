@@ -1,0 +1,106 @@
+"""GGUF's quantized tensors as specee reads them: raw blocks kept as they are in the file until a
+linear is built (model/quant.py), then dequantized by `gguf` or, for Q4 blocks, repacked into int4
+groups without a float round trip."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    import gguf
+
+
+@dataclass
+class GGUFWeight:
+    """A GGUF tensor kept as its raw blocks: `data` is what gguf.GGUFReader gives (rows along dim 0:
+    uint8 [N, bytes per row] for quantized types), `shape` the weight's (N, K)."""
+
+    qtype: gguf.GGMLQuantizationType
+    data: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        from gguf.quants import quant_shape_from_byte_shape
+
+        return tuple(quant_shape_from_byte_shape(self.data.shape, self.qtype)) if self.data.dtype == np.uint8 \
+            else tuple(self.data.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """gguf's own float32 dequantization, one vectorized call over all blocks (gguf.quants.dequantize
+        walks a memory map row group by row group, several times slower)."""
+        from gguf.quants import dequantize
+
+        if self.data.dtype != np.uint8 or self.qtype.name not in _GGUF_QUANTS:
+            return torch.from_numpy(np.require(dequantize(self.data, self.qtype), np.float32, ["C", "W"]))
+        return torch.from_numpy(_dequantize_blocks(self.qtype, self.data).reshape(self.shape))
+
+    def to(self, device=None, dtype=None) -> torch.Tensor:
+        """As a float tensor (the embedding, norms, or a weight the caller wants float)."""
+        return self.dequantize().to(device=device, dtype=dtype)
+
+    def native_format(self) -> str | None:
+        """The kernel format nearest this tensor's own precision: Q4_0/Q4_1/Q4_K -> int4 (codes exact),
+        other quantized types (Q5_x, Q6_K, Q8_0, ...) -> int8 (requantized), float types -> None."""
+        from gguf import GGMLQuantizationType as T
+
+        if self.qtype in (T.Q4_0, T.Q4_1, T.Q4_K):
+            return "int4"
+        return None if self.qtype in (T.F32, T.F16, T.BF16) else "int8"
+
+
+_GGUF_QUANTS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+
+
+def _dequantize_blocks(qtype, data: np.ndarray) -> np.ndarray:
+    """gguf.quants' dequantization of `qtype` applied to all blocks of `data` at once: float32 [blocks, block]."""
+    import gguf.quants
+
+    size = gguf.quants.GGML_QUANT_SIZES[qtype][1]
+    return getattr(gguf.quants, qtype.name).dequantize_blocks(np.ascontiguousarray(data).reshape(-1, size))
+
+
+def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 / Q4_K blocks as int4 groups of 32, without a float round trip of the weights:
+    (q uint8 [N, K], scales, zeros float32 [N, K // 32]) with W = (q - 8) * scale + zero.
+
+    The 4-bit codes are gguf's own: gguf.quants dequantizes a copy of the blocks whose scales are
+    set to 1 and mins to 0, which yields the codes exactly (no nibble order re-derived here).
+      Q4_0: W = d (q - 8)              -> scale d,      zero 0
+      Q4_1: W = d q + m                -> scale d,      zero m + 8 d
+      Q4_K: W = d sc_j q - dmin m_j    -> scale d sc_j, zero 8 d sc_j - dmin m_j  (6-bit sc_j, m_j per 32)
+    In float32 these scales and zeros are exact (fp16 times a 6-bit integer) up to the one rounding
+    of the zero's sum; the kernel reads them in bf16, which is where the repack rounds (see README)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import Q4_K, GGML_QUANT_SIZES
+
+    N, K = w.shape
+    block, size = GGML_QUANT_SIZES[w.qtype]
+    blocks = np.ascontiguousarray(w.data).reshape(-1, size)
+    f16 = lambda a: a.view(np.float16).astype(np.float32).reshape(N, -1)  # noqa: E731
+    unit = blocks.copy()
+    unit[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)  # d = 1
+    if w.qtype == T.Q4_0:
+        scales, zeros = f16(blocks[:, 0:2]), None
+        codes = _dequantize_blocks(w.qtype, unit) + 8
+    elif w.qtype == T.Q4_1:
+        d, m = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+        unit[:, 2:4] = 0  # m = 0
+        scales, zeros = d, m + 8 * d
+        codes = _dequantize_blocks(w.qtype, unit)
+    elif w.qtype == T.Q4_K:
+        d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+        sc, m = (a.astype(np.float32).reshape(N, -1, 8) for a in Q4_K.get_scale_min(blocks[:, 4:16]))
+        scales = (d.reshape(N, -1, 1) * sc).reshape(N, -1)
+        zeros = (8 * d.reshape(N, -1, 1) * sc - dmin.reshape(N, -1, 1) * m).reshape(N, -1)
+        unit[:, 2:4] = 0  # dmin = 0
+        unit[:, 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)  # every sc_j = 1, m_j = 0
+        codes = _dequantize_blocks(w.qtype, unit)
+    else:
+        raise ValueError(f"{w.qtype.name} blocks are not int4 groups (only Q4_0, Q4_1, Q4_K are)")
+    q = torch.from_numpy(codes.reshape(N, K).astype(np.uint8))
+    scales = torch.from_numpy(np.ascontiguousarray(scales, np.float32))
+    zeros = torch.zeros_like(scales) if zeros is None else torch.from_numpy(np.ascontiguousarray(zeros, np.float32))
+    return q, scales, zeros
