@@ -99,7 +99,8 @@ def test_int4_rows_without_kept_nibbles_come_back_through_the_kernel(out):
 
 @torch.inference_mode()
 def test_the_vnni_int4_kernel_on_a_large_product_and_many_rows(monkeypatch):
-    """Several groups and 64-output blocks, rows in pairs and one left over, activations with an
+    """Several groups and 64-output blocks, every row count the kernel handles apart (1-4, and 4 + 2,
+    4 + 3 for the blocks of four and what is left), activations with an
     outlier (one large input sets its group's step), against the rounded-x product; and
     SPECEE_CPU_KERNELS=0 puts the same weights back on PyTorch's kernel."""
     if int4_kernel() is None:
@@ -108,7 +109,7 @@ def test_the_vnni_int4_kernel_on_a_large_product_and_many_rows(monkeypatch):
     w = torch.randn(320, 1024) * 0.05
     lin = Int4Linear.from_float(w)
     assert lin.vnni is not None
-    for rows in (1, 2, 5):
+    for rows in (1, 2, 3, 4, 6, 7):
         x = torch.randn(rows, 1024)
         x[0, 7] = 40.0
         assert_kernel_matches(lin, x)

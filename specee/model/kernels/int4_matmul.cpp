@@ -27,19 +27,26 @@ SPECEE_VNNI inline __m512 bf16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// R rows x 64 outputs: x8 [R][K/4] int8 quads, dx (scale) and xs (sum of the rounded activations) [R][G].
+// R rows (1 to 4) x one 64-output block (T = 4 tiles of 16): x8 [R][K/4] int8 quads, dx (scale) and
+// xs (sum of the rounded activations) [R][G]. The R x T integer accumulators live in registers; the
+// float sums too for up to 2 rows, else in a small array in L1 (taking the tiles two at a time
+// instead would read the weights twice where a block outgrows L2).
 template <int R>
 SPECEE_VNNI void block(const uint8_t* w, const uint16_t* sz, const int32_t* x8, const float* dx, const float* xs,
                        int64_t K, float* y, int64_t N) {
+  constexpr int T = 4;
   const int64_t G = K / kGroup;
-  __m512 out[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < 4; ++t) out[r][t] = _mm512_setzero_ps();
+  constexpr bool in_registers = R <= 2;
+  __m512 reg[in_registers ? R : 1][in_registers ? T : 1];
+  alignas(64) float mem[in_registers ? 1 : R][in_registers ? 1 : T][16] = {};
+  if constexpr (in_registers)
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) reg[r][t] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
-    __m512i acc[R][4];
+    __m512i acc[R][T];
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_si512();
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_si512();
     for (int c = 0; c < kGroup / 8; ++c) {
       const uint8_t* wc = w + (g * (kGroup / 8) + c) * 256;
       __m512i lo_x[R], hi_x[R];
@@ -48,7 +55,7 @@ SPECEE_VNNI void block(const uint8_t* w, const uint16_t* sz, const int32_t* x8, 
         lo_x[r] = _mm512_set1_epi32(x8[r * (K / 4) + quad]);
         hi_x[r] = _mm512_set1_epi32(x8[r * (K / 4) + quad + 1]);
       }
-      for (int t = 0; t < 4; ++t) {
+      for (int t = 0; t < T; ++t) {
         const __m512i v = _mm512_loadu_si512(wc + t * 64);
         const __m512i lo = _mm512_and_si512(v, nibble);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
@@ -60,17 +67,23 @@ SPECEE_VNNI void block(const uint8_t* w, const uint16_t* sz, const int32_t* x8, 
     }
     // sum_k W x = s dx sum(q x8) + (z - 8 s) sum(x): per group, per output
     const uint16_t* szg = sz + g * 128;
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < T; ++t) {
       const __m512 s = bf16_to_float(szg + t * 16);
       const __m512 z8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16_to_float(szg + 64 + t * 16));
       for (int r = 0; r < R; ++r) {
-        out[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(s, _mm512_set1_ps(dx[r * G + g])), out[r][t]);
-        out[r][t] = _mm512_fmadd_ps(z8, _mm512_set1_ps(xs[r * G + g]), out[r][t]);
+        __m512 o;
+        if constexpr (in_registers) o = reg[r][t]; else o = _mm512_load_ps(mem[r][t]);
+        o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(s, _mm512_set1_ps(dx[r * G + g])), o);
+        o = _mm512_fmadd_ps(z8, _mm512_set1_ps(xs[r * G + g]), o);
+        if constexpr (in_registers) reg[r][t] = o; else _mm512_store_ps(mem[r][t], o);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(y + r * N + 16 * t, out[r][t]);
+    for (int t = 0; t < T; ++t) {
+      if constexpr (in_registers) _mm512_storeu_ps(y + r * N + 16 * t, reg[r][t]);
+      else std::copy(mem[r][t], mem[r][t] + 16, y + r * N + 16 * t);
+    }
 }
 
 }  // namespace
@@ -122,8 +135,11 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
       const uint8_t* wb = w + b * (K / 8) * 256;
       const uint16_t* sb = sz + b * G * 128;
       int64_t r = 0;
-      for (; r + 2 <= M; r += 2) block<2>(wb, sb, x8 + r * (K / 4), dx + r * G, xs + r * G, K, out + r * N + b * 64, N);
-      if (r < M) block<1>(wb, sb, x8 + r * (K / 4), dx + r * G, xs + r * G, K, out + r * N + b * 64, N);
+      auto rows = [&](auto kernel) { kernel(wb, sb, x8 + r * (K / 4), dx + r * G, xs + r * G, K, out + r * N + b * 64, N); };
+      for (; r + 4 <= M; r += 4) rows(block<4>);
+      if (M - r == 3) rows(block<3>);
+      else if (M - r == 2) rows(block<2>);
+      else if (M - r == 1) rows(block<1>);
     }
   });
   return y;
