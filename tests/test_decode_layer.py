@@ -125,17 +125,21 @@ def test_the_cpp_layer_serves_one_request_of_a_quantized_cpu_model(tmp_path, mon
     assert not calls
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("rows", [2, 4])
 @torch.inference_mode()
-def test_a_chains_verification_rows_equal_decoding_them_one_by_one_bit_for_bit(tmp_path, mode, rows):
+def test_a_chains_verification_rows_equal_decoding_them_one_by_one_bit_for_bit(rows):
     """A speculative chain's rows, verified in one pass, give exactly the hidden states (and K/V) that
     decoding them one token at a time gives: what makes speculative greedy output equal full-depth
-    greedy output on a quantized model, not only up to near-ties (one masked attention call over all
-    rows rounds differently, and int8-rounded activations turn that into different choices)."""
-    model = load(make_checkpoint(tmp_path / "m", variant("llama3"), seed=5), mode)
+    greedy output on a quantized model, not only up to near-ties. On SmolLM2 (4-bit, 30 layers) one
+    masked attention call over all rows rounds differently (hidden states 0.4% apart)."""
+    from conftest import MODELS
+
+    path = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        pytest.skip(f"SmolLM2 GGUF not available: {path} is absent")
+    model = load(path, "auto")
     torch.manual_seed(3)
-    ids = torch.randint(0, model.cfg.vocab_size, (20,)).tolist()
+    ids = torch.randint(0, 1000, (40,)).tolist()
     n = len(ids) - rows
     caches = []
     for together in (True, False):

@@ -125,9 +125,9 @@ class Transformer:
         linears = [lin for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
         if self.device.type != "cpu" or self.dtype != torch.float32 or all(isinstance(x, FloatLinear) for x in linears):
             return None
-        from .kernels import cpu_kernels
+        from .kernels import decode_layer_kernel
 
-        kernel = cpu_kernels()
+        kernel = decode_layer_kernel()
         if kernel is None:
             return None
         cfg = self.cfg

@@ -8,17 +8,13 @@
 
 #include <algorithm>
 #include <cmath>
-
-#include "int4_matmul.h"
 #include <vector>
 
 namespace {
 
 // A linear as the runtime holds it (model/quant.py): float weight, int8 per channel, or int4 packed.
 struct Linear {
-  // 0 float: w = weight; 1 int8: w = qweight, aux = bf16 scales; 2 int4 (PyTorch's kernel): w = packed,
-  // aux = scales_and_zeros; 3 int4 (int4_matmul.cpp): w = packed, aux = scales
-  int64_t kind;
+  int64_t kind;  // 0 float: w = weight; 1 int8: w = qweight, aux = bf16 scales; 2 int4: w = packed, aux = scales_and_zeros
   at::Tensor w, aux, bias;
   int64_t group;
 
@@ -28,10 +24,8 @@ struct Linear {
       y = at::linear(x, w);
     } else if (kind == 1) {
       y = at::_weight_int8pack_mm(x.to(at::kBFloat16), w, aux).to(at::kFloat);
-    } else if (kind == 2) {
-      y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, aux).to(at::kFloat);
     } else {
-      y = int4_mm(x, w, aux);
+      y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, aux).to(at::kFloat);
     }
     if (bias.numel()) y.add_(bias);
     return y;
@@ -116,9 +110,8 @@ class DecodeLayer {
   // Rows whose mask row is a prefix of the cache (a chain's verification rows) attend one at a time,
   // unmasked, over their prefix: the very call a one-token decode step makes, so a verified token's
   // numbers equal decoding it alone and speculative greedy output equals full-depth greedy bit for
-  // bit. One masked call over all rows rounds differently, and the VNNI kernel's int8 activations
-  // (whose step follows each group's largest value) turn that into different choices at near-ties:
-  // SmolLM2, n-gram drafts, 8 prompts x 96 tokens: 0 of 8 identical to full depth, 0.51 of tokens.
+  // bit. One masked call over all rows rounds differently, which parts the texts where the top two
+  // tokens nearly tie (SmolLM2 4-bit, n-gram drafts, 8 prompts x 96 tokens: 6 of 8 identical).
   at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_len,
                        const at::Tensor& mask, bool causal) const {
     const int64_t S = q.size(2);
@@ -161,7 +154,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("__call__", &DecodeLayer::forward);
-  m.def("int4_supported", &int4_supported);
-  m.def("int4_quantize_activations", &int4_quantize_activations);
-  m.def("int4_mm", &int4_mm);
 }
