@@ -42,7 +42,9 @@ class StepInputs:
     slots: cache slots the rows write, [S]; cos/sin: RoPE rows, [B, S, 1, D] (sin signed, see rope.py);
     mask: which cache slots each row may read, [B, 1, S, kv_len] (None = all of them, or causal);
     kv_len: how many cache slots attention reads; causal: rows are slots 0..S-1 of an unpadded
-    sequence (S == kv_len), so attention needs no mask and keeps the fused kernels.
+    sequence (S == kv_len), so attention needs no mask and keeps the fused kernels; chain: each row
+    reads exactly the slots up to its own (`mask` says so too), so the C++ layer can attend each
+    row alone over that prefix, as a one-token step does.
     """
 
     slots: torch.Tensor
@@ -51,6 +53,7 @@ class StepInputs:
     mask: torch.Tensor | None
     kv_len: int
     causal: bool = False
+    chain: bool = False
 
 
 class Transformer:
@@ -189,7 +192,8 @@ class Transformer:
         causal = start == 0 and count > 1
         mask = None if count == 1 or causal else (self.slot_ids[:end][None, :] <= slots[:, None]).view(1, 1, count, end)
         return StepInputs(slots=slots, cos=self.cos_table[start:end].view(1, count, 1, D),
-                          sin=self.sin_table[start:end].view(1, count, 1, D), mask=mask, kv_len=end, causal=causal)
+                          sin=self.sin_table[start:end].view(1, count, 1, D), mask=mask, kv_len=end, causal=causal,
+                          chain=mask is not None)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embedding)
@@ -199,7 +203,7 @@ class Transformer:
         if self.fast_layers is not None and h.shape[0] == 1:
             mask = self._no_mask if step.mask is None else step.mask
             return self.fast_layers[i](h, step.cos, step.sin, cache.k[i], cache.v[i], step.slots, step.kv_len, mask,
-                                       step.causal)
+                                       step.causal, step.chain)
         cfg, w = self.cfg, self.layers[i]
         B, S, _ = h.shape
         D = cfg.head_dim

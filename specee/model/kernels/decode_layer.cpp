@@ -61,10 +61,11 @@ class DecodeLayer {
 
   // Rows h [1, S, H] of one sequence at cache `slots` [S] (int64); cos, sin [1, S, 1, D] (their
   // positions); the layer's cache k, v [1, kv_heads, len, D]; kv_len: slots attention reads;
-  // mask: [1, 1, S, kv_len] bool or empty (none); causal: rows are slots 0..S-1 (no mask needed).
+  // mask: [1, 1, S, kv_len] bool or empty (none); causal: rows are slots 0..S-1 (no mask needed);
+  // chain: each row reads exactly the slots up to its own (model/llama.py StepInputs.chain).
   at::Tensor forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                      at::Tensor v_cache, const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
-                     bool causal) const {
+                     bool causal, bool chain) const {
     const int64_t S = h.size(1), H = h.size(2), D = head_dim_, NH = heads_, NKV = kv_heads_;
     const at::Tensor hc = h.contiguous(), c = cos.contiguous(), sn = sin.contiguous(), sl = slots.contiguous();
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && c.numel() == S * D && sl.numel() == S,
@@ -90,7 +91,7 @@ class DecodeLayer {
         std::copy(row + (NH + NKV + j) * D, row + (NH + NKV + j + 1) * D, V + (j * len + slot[r]) * D);
       }
     }
-    const at::Tensor attn = attention(q, k_cache, v_cache, kv_len, mask, causal);
+    const at::Tensor attn = attention(q, k_cache, v_cache, slot, kv_len, mask, causal, chain);
     at::Tensor out = hc.view({S, H}) + lin_[1](attn.transpose(1, 2).reshape({S, NH * D}));
     for (int64_t r = 0; r < S; ++r)
       rms_norm(out.data_ptr<float>() + r * H, mlp_norm_.data_ptr<float>(), x.data_ptr<float>() + r * H, H, eps_);
@@ -107,33 +108,20 @@ class DecodeLayer {
   }
 
  private:
-  // Rows whose mask row is a prefix of the cache (a chain's verification rows) attend one at a time,
-  // unmasked, over their prefix: the very call a one-token decode step makes, so a verified token's
-  // numbers equal decoding it alone and speculative greedy output equals full-depth greedy bit for
-  // bit. One masked call over all rows rounds differently, which parts the texts where the top two
-  // tokens nearly tie (SmolLM2 4-bit, n-gram drafts, 8 prompts x 96 tokens: 6 of 8 identical).
-  at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_len,
-                       const at::Tensor& mask, bool causal) const {
+  // A chain's rows (each reading the slots up to its own) attend one at a time, unmasked, over that
+  // prefix: the very call a one-token decode step makes, so a verified token's numbers equal
+  // decoding it alone and speculative greedy output equals full-depth greedy bit for bit. One
+  // masked call over all rows rounds differently, which parts the texts where the top two tokens
+  // nearly tie (SmolLM2 4-bit, n-gram drafts, 8 prompts x 96 tokens: 6 of 8 identical).
+  at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slot,
+                       int64_t kv_len, const at::Tensor& mask, bool causal, bool chain) const {
     const int64_t S = q.size(2);
     const bool gqa = heads_ != kv_heads_;
-    std::vector<int64_t> prefix;
-    if (S > 1 && mask.numel() && !causal) {
-      const at::Tensor m = mask.reshape({-1, mask.size(-1)}).contiguous();
-      const bool* mp = m.data_ptr<bool>();
-      const int64_t width = m.size(1);
-      for (int64_t r = 0; r < S && m.size(0) == S; ++r) {
-        const bool* row = mp + r * width;
-        int64_t len = 0;
-        while (len < width && row[len]) ++len;
-        if (len == 0 || std::find(row + len, row + width, true) != row + width) break;
-        prefix.push_back(len);
-      }
-    }
-    if (static_cast<int64_t>(prefix.size()) == S && S > 1) {
+    if (chain && S > 1) {
       at::Tensor out = at::empty_like(q);
       for (int64_t r = 0; r < S; ++r)
         out.narrow(2, r, 1).copy_(at::scaled_dot_product_attention(
-            q.narrow(2, r, 1).contiguous(), k_cache.narrow(2, 0, prefix[r]), v_cache.narrow(2, 0, prefix[r]),
+            q.narrow(2, r, 1).contiguous(), k_cache.narrow(2, 0, slot[r] + 1), v_cache.narrow(2, 0, slot[r] + 1),
             std::nullopt, 0.0, false, std::nullopt, gqa));
       return out;
     }
