@@ -198,3 +198,40 @@ def test_resumed_training_continues_the_learning_rate_schedule(llm, texts, tmp_p
                      time.monotonic() + 60, tmp_path / f"ckpt{before}", progress=False)
         lrs[before] = optimizer.param_groups[0]["lr"]
     assert lrs[0.0] > 0.9 * recipe.lr and lrs[1000.0] < 0.12 * recipe.lr
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a_quantized_head_matches_its_dequantized_float_twin(mode):
+    """On a quantized target the head runs its matrices quantized, through the target's C++ decode
+    layer: its outputs over prompt rows and fed-back draft steps match a float head holding the
+    dequantized weights, within the kernels' bfloat16 activation rounding."""
+    from conftest import real_model_dir
+
+    from specee import LLM
+
+    model = LLM(real_model_dir("ref-target-24L"), dtype="float32", quantization=mode).model
+    cfg = EagleHeadConfig.for_target(model.cfg, (3, 12, 23), 256)
+    shortlist = torch.arange(0, model.cfg.vocab_size, model.cfg.vocab_size // 256)[:256]
+    quantized = EagleHead(model, cfg, shortlist, EagleHead.init_random(model, cfg, shortlist, seed=2).params,
+                          quantization=mode)
+    assert quantized.runtime.fast_layers is not None or model.fast_layers is None  # the C++ layer where it builds
+    w = quantized.runtime.layers[0]
+    dequantized = {"fc": quantized._fc.dequantize(), "fuse": quantized._fuse.dequantize(),
+                   "attn_norm": w.attn_norm, "mlp_norm": w.mlp_norm,
+                   **{f: getattr(w, f).dequantize() for f in ("qkv", "o", "gate_up", "down")}}
+    twin = EagleHead(model, cfg, shortlist, dequantized)
+    assert twin.runtime.fast_layers is None
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    hs = model.hidden_states(ids[0].tolist())
+    feats = torch.cat([hs[i + 1] for i in cfg.feature_layers], -1)[None, :-1]
+    S = feats.shape[1]
+    outs = []
+    for head in (quantized, twin):
+        cache = head.new_cache(1, S + 3)
+        rows = head.forward(feats, ids[:, 1:], model.range_inputs(1, S), cache)
+        step = head.forward(rows[:, -1:], torch.tensor([[5]]), model.range_inputs(S + 1, 1), cache)
+        outs.append((rows, step, head.logits(step)))
+    for got, want in zip(outs[0], outs[1]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
+    # the quantized head really is quantized: its output is not the float head's bit for bit
+    assert not torch.equal(outs[0][0], outs[1][0])

@@ -6,7 +6,10 @@ Tolerance of a product: the kernels take bf16 activations, may round the dequant
 bf16 on the way (AVX512-BF16 dot products) and return bf16. So y is compared with x (rounded
 to bf16, as the kernel sees it) times the float32 dequantized weight, per output within
 2^-7 * sum_k |x_k W_nk| (a few bf16 roundings of every term, whatever the cancellation) plus
-2^-8 |y| (the output's rounding).
+2^-8 |y| (the output's rounding). specee's own int4 kernel (model/kernels/int4_matmul.cpp, where
+the CPU has AVX-512 BF16) multiplies the same bf16 x by the exact weights in float32 and returns
+float32: it is held to float32 error, 2^-10 * sum_k |x_k| s_nk (its per-group sums carry 136 s
+per weight, exact products, float32 additions).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import GGML_QUANT_SIZES, dequantize
 
+from specee.model.kernels import int4_kernel
 from specee.model.llama import Transformer
 from specee.model.gguf_blocks import GGUFWeight, gguf_int4_codes
 from specee.model.quant import FloatLinear, Int4Linear, Int8Linear, linear_from_parts
@@ -33,18 +37,26 @@ def assert_kernel_matches(lin, x: torch.Tensor) -> None:
         ref = ref + lin.bias
     y = lin(x)
     assert y.dtype == x.dtype and y.shape == ref.shape
-    bound = 2 ** -7 * (xb.abs() @ W.abs().t()) + 2 ** -8 * ref.abs()
+    if getattr(lin, "bf16_kernel", None) is not None:
+        steps = lin.scales.float().repeat_interleave(lin.group, dim=1)
+        bound = 2 ** -10 * (xb.abs() @ steps.t()) + 1e-6
+    else:
+        bound = 2 ** -7 * (xb.abs() @ W.abs().t()) + 2 ** -8 * ref.abs()
     assert ((y - ref).abs() <= bound).all(), f"max excess {float(((y - ref).abs() - bound).max()):.3g}"
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("mode,out", [("int4", 96), ("int4", 128), ("int8", 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_quantized_linear_matches_its_dequantized_weight(mode, bias):
+def test_quantized_linear_matches_its_dequantized_weight(mode, out, bias):
+    """int4 with 96 outputs runs PyTorch's kernel; with 128 (a multiple of 64) specee's where this
+    CPU has AVX-512 BF16."""
     torch.manual_seed(0)
-    w = torch.randn(96, 128) * 0.1
-    b = torch.randn(96) if bias else None
+    w = torch.randn(out, 128) * 0.1
+    b = torch.randn(out) if bias else None
     lin = linear_from_parts([w[:32], w[32:]], b, mode, CPU, torch.float32, keep_rows=True)  # fused from two parts
     assert isinstance(lin, Int4Linear if mode == "int4" else Int8Linear)
+    if mode == "int4":
+        assert (lin.bf16_kernel is not None) == (out % 64 == 0 and int4_kernel() is not None)
     W = lin.dequantize()
     # the quantization itself: within half a step of the float weight, and not the float weight
     if mode == "int4":
@@ -62,13 +74,43 @@ def test_quantized_linear_matches_its_dequantized_weight(mode, bias):
     assert_kernel_matches(part, torch.randn(3, 128))
 
 
-def test_int4_rows_without_kept_nibbles_come_back_through_the_kernel():
+@pytest.mark.parametrize("out", [48, 64])
+def test_int4_rows_without_kept_nibbles_come_back_through_the_kernel(out):
+    """From PyTorch's packing (48 outputs) and from specee's layout (64, where its kernel runs)."""
     torch.manual_seed(1)
-    w = torch.randn(64, 64)
+    w = torch.randn(out, 64)
     kept = Int4Linear.from_float(w, keep_rows=True)
     packed_only = Int4Linear.from_float(w)
     assert packed_only.nibbles is None
     torch.testing.assert_close(packed_only.dequantize(), kept.dequantize(), rtol=0, atol=0)
+
+
+@torch.inference_mode()
+def test_the_bf16_int4_kernel_on_a_large_product_and_many_rows(monkeypatch):
+    """Several groups and 64-output blocks, every row count the kernel handles apart (1-4, and 4 + 1..3
+    for the blocks of four and what is left), an outlier input, zeros; each row's output is the same
+    bit for bit whatever rows share its call (what keeps speculative verification equal to one-token
+    decoding); and SPECEE_CPU_KERNELS=0 puts the same weights back on PyTorch's kernel."""
+    if int4_kernel() is None:
+        pytest.skip("no AVX-512 BF16 on this CPU, or the CPU kernels could not be built")
+    torch.manual_seed(2)
+    w = torch.randn(320, 1024) * 0.05
+    lin = Int4Linear.from_float(w)
+    assert lin.bf16_kernel is not None
+    x = torch.randn(7, 1024)
+    x[0, 7] = 40.0
+    for rows in (1, 2, 3, 4, 5, 6, 7):
+        assert_kernel_matches(lin, x[:rows])
+    together = lin(x)
+    assert all(torch.equal(lin(x[i : i + 1])[0], together[i]) for i in range(7))
+    assert torch.equal(lin(x[2:5]), together[2:5])
+    assert torch.equal(lin(torch.zeros(1, 1024)), torch.zeros(1, 320))
+    monkeypatch.setenv("SPECEE_CPU_KERNELS", "0")
+    plain = Int4Linear.from_float(w)
+    assert plain.bf16_kernel is None
+    torch.testing.assert_close(plain.dequantize(), lin.dequantize(), rtol=0, atol=0)
+    # the two kernels agree within the bf16 output rounding PyTorch's applies
+    torch.testing.assert_close(plain(x), together, rtol=2 ** -7, atol=1e-3)
 
 
 def test_bad_shapes_and_modes_are_refused():

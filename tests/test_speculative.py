@@ -65,10 +65,14 @@ def run(model, tokenizer, drafter, ids: list[int], params: SamplingParams, n: in
     return seq
 
 
-def random_head(model, seed: int = 0, layers: tuple[int, ...] | None = None) -> EagleHead:
+def random_head(model, seed: int = 0, layers: tuple[int, ...] | None = None,
+                quantization: str | None = None) -> EagleHead:
     cfg = EagleHeadConfig.for_target(model.cfg, layers, model.cfg.vocab_size // 2)
     shortlist = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(seed))
-    return EagleHead.init_random(model, cfg, shortlist[: cfg.shortlist_size].sort().values, seed=seed)
+    head = EagleHead.init_random(model, cfg, shortlist[: cfg.shortlist_size].sort().values, seed=seed)
+    if quantization is None:
+        return head
+    return EagleHead(model, cfg, head.shortlist, head.params, quantization=quantization)
 
 
 @pytest.fixture(scope="module")
@@ -423,6 +427,7 @@ def test_greedy_speculation_on_quantized_weights(ref, mode):
 
         expected, logits = greedy_with_margins(model, ids, params.max_tokens)
         for drafter, tree in ((NGramDrafter(1, V), None), (EagleDrafter(random_head(model)), TreeShape(3, 3, 8)),
+                              (EagleDrafter(random_head(model, quantization=mode)), None),
                               (ScriptedDrafter(len(ids), expected, V, shift=0), None)):
             got = run(model, llm.tokenizer, drafter, ids, params, tree=tree).output_ids
             assert len(got) == len(expected), drafter.name

@@ -22,12 +22,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 from ..model.llama import LayerWeights, StepInputs, Transformer
-from ..model.quant import FloatLinear
+from ..model.quant import FloatLinear, Linear, linear_from_parts
 
 WEIGHTS_FILE = "head.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -77,19 +76,29 @@ def _param_shapes(cfg: EagleHeadConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _layer_weights(params: dict[str, torch.Tensor], q_dim: int) -> LayerWeights:
-    """The head's layer in the runtime's LayerWeights form (the tensors themselves: gradients reach them;
-    `kv`, used only by the target's KV policies, is a gradient-free view)."""
-    linears = {f: params[f] if f.endswith("norm") else FloatLinear(params[f]) for f in _LAYER_FIELDS}
+def head_precision(target_quantization: str | None) -> str | None:
+    """The format a head runs in under its target's: float with a float target, int8 under int8, else
+    int4 (a head has no GGUF precision of its own to keep under "auto"). It drafts only, so its
+    rounding moves acceptance, never the output; the bench reports the acceptance it gets."""
+    return None if target_quantization is None else ("int8" if target_quantization == "int8" else "int4")
+
+
+def _layer_weights(params: dict[str, torch.Tensor], q_dim: int, linear) -> LayerWeights:
+    """The head's layer in the runtime's LayerWeights form; `linear` makes each matrix's Linear
+    (float ones hold the tensors themselves, so gradients reach them). `kv`, used only by the
+    target's KV policies, is a gradient-free float view."""
+    linears = {f: params[f] if f.endswith("norm") else linear(params[f]) for f in _LAYER_FIELDS}
     return LayerWeights(kv=FloatLinear(params["qkv"].detach()[q_dim:]), **linears)
 
 
 class EagleHead:
     """The head's own weights are `params` (name -> tensor); the target's embedding, final norm and
-    LM head are used in place. `params` may require grad: training runs the same `forward`."""
+    LM head are used in place. `params` may require grad: training runs the same `forward`.
+    quantization "int4"/"int8" runs the head's matrices in that format (inference only): on a
+    quantized float32 CPU target its layer then takes the target's C++ decode layer."""
 
     def __init__(self, target: Transformer, config: EagleHeadConfig, shortlist: torch.Tensor,
-                 params: dict[str, torch.Tensor], target_fingerprint: str = ""):
+                 params: dict[str, torch.Tensor], target_fingerprint: str = "", quantization: str | None = None):
         tc = target.cfg
         if (config.hidden_size, config.head_dim) != (tc.hidden_size, tc.head_dim):
             raise ValueError(f"head shape (hidden {config.hidden_size}, head_dim {config.head_dim}) does not fit the "
@@ -109,13 +118,20 @@ class EagleHead:
         self.target, self.config, self.shortlist = target, config, shortlist
         self.target_fingerprint = target_fingerprint
         self.feature_width = len(config.feature_layers) * tc.hidden_size
-        self.params = params
+        self.params, self.quantization = params, quantization
+
+        def linear(weight: torch.Tensor) -> Linear:
+            if quantization is None:
+                return FloatLinear(weight)
+            return linear_from_parts([weight.detach()], None, quantization, target.device, target.dtype)
+
         # a one-layer runtime holding the head's layer: `Transformer.layer` is the code that runs it
         self.runtime = Transformer.layers_only(_layer_config(tc, config),
-                                               [_layer_weights(params, config.num_heads * config.head_dim)],
+                                               [_layer_weights(params, config.num_heads * config.head_dim, linear)],
                                                target.device, target.dtype)
         self.lm_head_rows = target.head.take_rows(shortlist)  # the shortlist's LM-head rows, gathered once
-        self._fuse = params.get("fuse")
+        self._fc = linear(params["fc"])
+        self._fuse = linear(params["fuse"]) if "fuse" in params else None
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -157,8 +173,8 @@ class EagleHead:
             if features.shape[-1] != self.feature_width or self._fuse is None:
                 raise ValueError(f"features of width {features.shape[-1]}; the head reads {self.feature_width} "
                                  f"(target features) or {self.config.hidden_size} (its own output)")
-            features = F.linear(features, self._fuse)
-        x = F.linear(torch.cat([features, self.target.embed(tokens)], dim=-1), self.params["fc"])
+            features = self._fuse(features)
+        x = self._fc(torch.cat([features, self.target.embed(tokens)], dim=-1))
         return self.runtime.layer(0, x, step, cache)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -196,9 +212,10 @@ class EagleHead:
         os.replace(tmp, manifest)
 
     @classmethod
-    def load(cls, head_dir: str | Path, target: Transformer, target_fingerprint: str) -> "EagleHead":
-        """Read a head directory. ValueError (one line) for a head made for another target, or a missing,
-        corrupt or truncated one."""
+    def load(cls, head_dir: str | Path, target: Transformer, target_fingerprint: str,
+             quantization: str | None = None) -> "EagleHead":
+        """Read a head directory (quantization: see the class). ValueError (one line) for a head made
+        for another target, or a missing, corrupt or truncated one."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -228,7 +245,7 @@ class EagleHead:
         except (SafetensorError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{head_dir}: corrupt EAGLE head ({' '.join(str(e).split())})") from None
         params = {n: t.to(device=target.device, dtype=target.dtype) for n, t in tensors.items()}
-        return cls(target, config, shortlist, params, target_fingerprint)
+        return cls(target, config, shortlist, params, target_fingerprint, quantization)
 
 
 def _sha256(path: Path) -> str:

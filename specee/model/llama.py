@@ -128,9 +128,9 @@ class Transformer:
         linears = [lin for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
         if self.device.type != "cpu" or self.dtype != torch.float32 or all(isinstance(x, FloatLinear) for x in linears):
             return None
-        from .kernels import decode_layer_kernel
+        from .kernels import cpu_kernels
 
-        kernel = decode_layer_kernel()
+        kernel = cpu_kernels()
         if kernel is None:
             return None
         cfg = self.cfg
@@ -146,6 +146,7 @@ class Transformer:
         runtime = object.__new__(cls)
         runtime.cfg, runtime.layers, runtime.device, runtime.dtype = cfg, layers, device, dtype
         runtime.expand_kv_for_mask = device.type == "cuda"
+        runtime.fast_layers = runtime.fast_layers_for()
         return runtime
 
     @classmethod

@@ -3,8 +3,10 @@
 Decoding on a CPU is bound by reading weights; these layers keep 4 or 8 bits per weight and
 multiply through PyTorch's own kernels (`_weight_int4pack_mm[_for_cpu]`, `_weight_int8pack_mm`),
 which take bfloat16 activations (float32 activations are several times slower: see
-benchmarks/bench_kernels.py). Every layer has `dequantize()`, the float weight the kernel
-effectively uses: the reference the tests check the kernels against.
+benchmarks/bench_kernels.py), except int4 on a CPU with AVX-512 BF16: specee's own kernel
+(model/kernels/int4_matmul.cpp) does the same arithmetic 2-3x faster. Every layer has
+`dequantize()`, the float weight the kernel effectively uses: the reference the tests check the
+kernels against.
 
 All linears share one small interface (`__call__`, `rows`, `take_rows`, `dequantize`, `tensors`)
 so the runtime calls them without knowing the format.
@@ -127,6 +129,23 @@ class Int8Linear(_KernelLinear):
         return _present(self.qweight, self.scales, self.bias)
 
 
+def _bf16_pack(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] (0..15) in the layout of model/kernels/int4_matmul.cpp: uint8 [N/64, K/4, 4, 32],
+    output n = 64 b + 16 t + lane, input k = 4 c + 2 half + e; byte 2 lane + e holds half 0 in its
+    low nibble and half 1 in its high one."""
+    N, K = q.shape
+    v = q.view(N // 64, 4, 16, K // 4, 2, 2).permute(0, 3, 1, 2, 5, 4)  # b, c, t, lane, e, half
+    return (v[..., 0] | v[..., 1] << 4).reshape(N // 64, K // 4, 4, 32).contiguous()
+
+
+def _bf16_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of _bf16_pack: q [N, K]."""
+    B, C = packed.shape[:2]
+    p = packed.view(B, C, 4, 16, 2)  # b, c, t, lane, e
+    v = torch.stack([p & 15, p >> 4], dim=-1)  # b, c, t, lane, e, half
+    return v.permute(0, 2, 3, 1, 5, 4).reshape(B * 64, C * 4)
+
+
 class Int4Linear(_KernelLinear):
     """4-bit weights in groups of `group` along the input dim, a scale and zero per group:
     W = (q - 8) * scale + zero, q in 0..15 (the form of PyTorch's int4 kernels).
@@ -146,11 +165,22 @@ class Int4Linear(_KernelLinear):
         self.out_features, self.in_features, self.group = N, K, group
         self.scales, self.zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)  # [N, G]
         self.bias = bias
-        if q.device.type == "cuda":
+        # specee's AVX-512 BF16 kernel (model/kernels/int4_matmul.cpp) where it runs and the shape fits
+        self.bf16_kernel = None
+        if q.device.type == "cpu" and group == 32 and N % 64 == 0:
+            from .kernels import int4_kernel
+
+            self.bf16_kernel = int4_kernel()
+        if self.bf16_kernel is not None:
+            self.packed = _bf16_pack(q)
+            self.scales_and_zeros = (  # bf16 [N/64, G, (scale, zero), 64]
+                torch.stack([self.scales, self.zeros]).view(2, N // 64, 64, K // group).permute(1, 3, 0, 2).contiguous())
+        elif q.device.type == "cuda":
             self.packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
+        if self.bf16_kernel is None:
+            self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
         self.nibbles = (q[:, 0::2] | q[:, 1::2] << 4).contiguous() if keep_rows else None  # [N, K/2]
 
     @classmethod
@@ -159,6 +189,8 @@ class Int4Linear(_KernelLinear):
         return cls(*int4_codes_from_float(weight, group), group, bias, keep_rows)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.bf16_kernel is not None:
+            return self.bf16_kernel.int4_mm(x2d, self.packed, self.scales_and_zeros)
         if x2d.device.type == "cuda":
             return torch.ops.aten._weight_int4pack_mm(x2d, self.packed, self.group, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group, self.scales_and_zeros)
@@ -171,8 +203,11 @@ class Int4Linear(_KernelLinear):
         return torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # [..., K]
 
     def _kernel_ints(self) -> torch.Tensor:
-        """All of q, recovered from the packed weight by multiplying the identity (float32 on CPU:
-        each output is one product, exact), so nothing here trusts the kernel's private packing."""
+        """All of q, recovered from the packed weight: unpacked from specee's own layout, or by
+        multiplying the identity through PyTorch's kernel (float32 on CPU: each output is one
+        product, exact), so nothing here trusts that kernel's private packing."""
+        if self.bf16_kernel is not None:
+            return _bf16_unpack(self.packed)
         dtype = torch.float32 if self.packed.device.type == "cpu" else KERNEL_DTYPE
         eye = torch.eye(self.in_features, dtype=dtype, device=self.packed.device)
         op = torch.ops.aten._weight_int4pack_mm if self.packed.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -256,12 +291,12 @@ class RefinedHead:
 
 def kernel_spec(lin: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """How the C++ decode layer (model/kernels/decode_layer.cpp) calls `lin`, through the kernel
-    `lin` itself uses: (kind 0 float / 1 int8 / 2 int4, weight, scales, bias, int4 group); absent
-    parts are empty tensors."""
+    `lin` itself uses: (kind 0 float / 1 int8 / 2 int4 through PyTorch / 3 int4 through
+    int4_matmul.cpp, weight, scales, bias, int4 group); absent parts are empty tensors."""
     empty = torch.empty(0)
     bias = empty if lin.bias is None else lin.bias
     if isinstance(lin, Int4Linear):
-        return 2, lin.packed, lin.scales_and_zeros, bias, lin.group
+        return 3 if lin.bf16_kernel is not None else 2, lin.packed, lin.scales_and_zeros, bias, lin.group
     if isinstance(lin, Int8Linear):
         return 1, lin.qweight, lin.scales, bias, 0
     return 0, lin.dequantize(), empty, bias, 0

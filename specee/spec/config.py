@@ -119,7 +119,8 @@ def make_decoder(llm, config: SpeculativeConfig | dict[str, Any]):
                                     quantization=llm.quantization)
     else:
         from ..drafters.eagle import EagleDrafter
-        from ..drafters.eagle_head import EagleHead
+        from ..drafters.eagle_head import EagleHead, head_precision
 
-        drafter = EagleDrafter(EagleHead.load(config.model, model, llm.fingerprint))
+        head = EagleHead.load(config.model, model, llm.fingerprint, head_precision(llm.quantization))
+        drafter = EagleDrafter(head)
     return SpeculativeDecoder(model, drafter, config.num_speculative_tokens, config.tree, config.method)

@@ -1,10 +1,14 @@
-"""Hand-written CPU code where PyTorch from Python loses: the one-token decoder layer.
+"""Hand-written CPU code where PyTorch from Python loses, built once for this machine.
 
-`decode_layer.cpp` runs a decoder layer for one token (batch 1, one row, no mask) with its
-elementwise work in plain C++ loops and its products and attention through the same ATen kernels
-as model/llama.py. It is compiled on first use for this machine (torch.utils.cpp_extension: a
-C++ compiler and ninja; about 30 s, cached by torch). Without a compiler, or with
-SPECEE_CPU_KERNELS=0, `decode_layer_kernel()` is None and every layer runs in Python.
+- `decode_layer.cpp`: a decoder layer for the rows of one sequence, its elementwise work in plain
+  C++ loops and its products and attention through ATen (or the int4 product below): at batch 1
+  the ~40 ATen calls a layer makes from Python cost more than its products on a small model.
+- `int4_matmul.cpp`: int4 weights times bf16 activations with AVX-512 BF16 dot products, the
+  arithmetic of PyTorch's int4 kernel, which spends more time widening weights than reading them.
+
+Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s, cached by
+torch). Without a compiler, or with SPECEE_CPU_KERNELS=0, `cpu_kernels()` is None: every layer
+runs in Python and int4 goes through PyTorch's kernel.
 """
 from __future__ import annotations
 
@@ -14,15 +18,22 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-SOURCE = Path(__file__).with_name("decode_layer.cpp")
-NAME = "specee_decode_layer_v2"  # a new name for a changed ABI: torch rebuilds on source changes anyway
+HERE = Path(__file__).parent
+SOURCES = [HERE / "decode_layer.cpp", HERE / "int4_matmul.cpp"]
+NAME = "specee_cpu_kernels_v4"  # a new name for a changed ABI: torch rebuilds on source changes anyway
 
 
-def decode_layer_kernel() -> ModuleType | None:
-    """The compiled module (its `DecodeLayer` class), or None where it cannot be used here."""
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module (`DecodeLayer`, `int4_mm`), or None where it cannot be used here."""
     if os.environ.get("SPECEE_CPU_KERNELS", "1") == "0":
         return None
     return _build()
+
+
+def int4_kernel() -> ModuleType | None:
+    """The module when its AVX-512 BF16 int4 product runs on this CPU, else None."""
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.int4_supported() else None
 
 
 @functools.cache
@@ -32,10 +43,11 @@ def _build() -> ModuleType | None:
 
         built = Path(cpp_extension._get_build_directory(NAME, False)) / f"{NAME}.so"
         if not built.exists():
-            print("specee: building the CPU decode layer for this machine (once, about 30 s)", file=sys.stderr)
-        return cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=["-O3"], verbose=False)
+            print("specee: building the CPU kernels for this machine (once, about 40 s)", file=sys.stderr)
+        return cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=["-O3"],
+                                  extra_include_paths=[str(HERE)], verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: the Python layer serves
         first = (str(e).strip().splitlines() or [""])[0][:160]
-        print(f"specee: CPU decode layer unavailable ({type(e).__name__}: {first}); using the Python layer",
+        print(f"specee: CPU kernels unavailable ({type(e).__name__}: {first}); using the Python layer",
               file=sys.stderr)
         return None

@@ -10,11 +10,15 @@
 #include <cmath>
 #include <vector>
 
+#include "int4_matmul.h"
+
 namespace {
 
 // A linear as the runtime holds it (model/quant.py): float weight, int8 per channel, or int4 packed.
 struct Linear {
-  int64_t kind;  // 0 float: w = weight; 1 int8: w = qweight, aux = bf16 scales; 2 int4: w = packed, aux = scales_and_zeros
+  // 0 float: w = weight; 1 int8: w = qweight, aux = bf16 scales; 2 int4 (PyTorch's kernel): w = packed,
+  // aux = scales_and_zeros; 3 int4 (int4_matmul.cpp): w = packed, aux = scales
+  int64_t kind;
   at::Tensor w, aux, bias;
   int64_t group;
 
@@ -24,8 +28,10 @@ struct Linear {
       y = at::linear(x, w);
     } else if (kind == 1) {
       y = at::_weight_int8pack_mm(x.to(at::kBFloat16), w, aux).to(at::kFloat);
-    } else {
+    } else if (kind == 2) {
       y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, aux).to(at::kFloat);
+    } else {
+      y = int4_mm(x, w, aux);
     }
     if (bias.numel()) y.add_(bias);
     return y;
@@ -142,4 +148,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("__call__", &DecodeLayer::forward);
+  m.def("int4_supported", &int4_supported);
+  m.def("int4_mm", &int4_mm);
 }
