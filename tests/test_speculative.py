@@ -14,6 +14,7 @@ from specee.drafters.eagle import EagleDrafter
 from specee.drafters.eagle_head import EagleHead, EagleHeadConfig
 from specee.drafters.ngram import NGramDrafter
 from specee.engine.sequence import Sequence
+from specee.model.quant import FloatLinear, Int4Linear
 from specee.sampling import SamplingParams
 from specee.spec import SpeculativeDecoder, TreeShape
 from specee.spec import verify as verify_module
@@ -351,11 +352,39 @@ def test_one_host_read_per_speculative_step(ref, ref_draft, monkeypatch, kind):
     ({"method": "ngram", "tree": {"topk": 2, "size": 4}}, "ngram drafts a chain"),
     ({"method": "ngram", "speculative_tokens": 3}, "unknown keys"),
     ({"method": "draft_model", "model": ".", "tree": {"topk": 2, "size": 99}}, "tree size must be in"),
+    ({"method": "ngram", "quantization": "int4"}, "'quantization' sets the draft model's weights"),
+    ({"method": "draft_model", "model": ".", "quantization": "int3"}, "quantization must be one of"),
 ])
 def test_nonsense_configs_are_refused_in_one_line(raw, message):
     with pytest.raises(ValueError, match=message) as e:
         SpeculativeConfig.parse(raw)
     assert "\n" not in str(e.value)
+
+
+def test_a_quantized_targets_draft_model_runs_int4_unless_the_config_says(ref):
+    """The draft's own precision moves acceptance, never the output: greedy speculation with an int4 or a
+    float draft equals the int4 target's full-depth greedy output."""
+    from conftest import real_model_dir
+
+    from specee import LLM
+    from specee.spec.config import make_decoder
+
+    draft = str(real_model_dir("ref-draft-4L"))
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": draft}).draft_quantization("auto") == "int4"
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": draft}).draft_quantization(None) is None
+    llm = LLM(ref[0].model_dir, dtype="float32", quantization="int4")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    expected = llm.generate([ids], params)[0].token_ids
+    for quantization, kind in (("default", Int4Linear), (None, FloatLinear)):
+        raw = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+        if quantization != "default":
+            raw["quantization"] = quantization
+        decoder = make_decoder(llm, raw)
+        assert isinstance(decoder.drafter.model.layers[0].gate_up, kind)
+        seq = Sequence(ids, list(ids), params, llm.tokenizer, frozenset())
+        decoder.generate(seq)
+        assert seq.output_ids == expected, quantization
 
 
 def test_a_head_for_another_target_is_refused(tiny_llm, tmp_path):

@@ -1,12 +1,16 @@
 """`speculative_config` as vLLM users write it, checked, and the decoder it builds.
 
     {"method": "eagle" | "draft_model" | "ngram", "model": PATH, "num_speculative_tokens": N,
-     "tree": {"topk": K, "size": S}, "prompt_lookup_max": M}
+     "tree": {"topk": K, "size": S}, "prompt_lookup_max": M, "quantization": Q}
 
 model: the EAGLE head directory (`specee train-draft`) or the draft model (a checkpoint
 directory, a .gguf file or a hub id, as the target); tree: grow
 EAGLE-2 trees of depth N, K children per expanded node, S nodes verified (eagle, draft_model);
-prompt_lookup_max: the longest suffix n-gram matched (ngram).
+prompt_lookup_max: the longest suffix n-gram matched (ngram); quantization: the draft model's
+weights (draft_model; "int4", "int8", "auto" or null). By default a quantized target's draft runs
+int4 whatever its file holds: a draft only proposes, so its rounding moves acceptance, never the
+output, and a GGUF's Q5_0/Q8_0 tensors (Qwen2.5-0.5B's rows of 896 take no K-quants) would
+otherwise run int8, whose kernel made drafting cost more than speculation saved.
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from typing import Any
 from .tree import TreeShape
 
 METHODS = ("eagle", "draft_model", "ngram")
-KEYS = ("method", "model", "num_speculative_tokens", "tree", "prompt_lookup_max")
+KEYS = ("method", "model", "num_speculative_tokens", "tree", "prompt_lookup_max", "quantization")
+DRAFT_QUANTIZATIONS = ("int4", "int8", "auto", None)
+DEFAULT = "default"  # the draft's quantization when the config names none: see draft_quantization
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     tree: TreeShape | None = None
     prompt_lookup_max: int = 3
+    quantization: str | None = DEFAULT
+
+    def draft_quantization(self, target_quantization: str | None) -> str | None:
+        """The draft model's weights: the config's, else int4 under a quantized target, float under a float one."""
+        if self.quantization is not DEFAULT:
+            return self.quantization
+        return None if target_quantization is None else "int4"
 
     @classmethod
     def parse(cls, raw: "SpeculativeConfig | dict[str, Any]") -> "SpeculativeConfig":
@@ -72,8 +85,16 @@ class SpeculativeConfig:
                 tree = TreeShape(depth=n, topk=topk, size=size)
             except ValueError as e:
                 raise ValueError(f"speculative_config: {e}") from None
+        quantization = raw.get("quantization", DEFAULT)
+        if quantization is not DEFAULT:
+            if method != "draft_model":
+                raise ValueError(f"speculative_config: 'quantization' sets the draft model's weights; method "
+                                 f"{method!r} has none")
+            if quantization not in DRAFT_QUANTIZATIONS:
+                raise ValueError(f"speculative_config: quantization must be one of int4, int8, auto or null, "
+                                 f"got {quantization!r}")
         return cls(method, model if model is None or not Path(model).expanduser().exists()
-                   else str(Path(model).expanduser()), n, tree, lookup)
+                   else str(Path(model).expanduser()), n, tree, lookup, quantization)
 
     def check_serves_exits(self, exit_draft: str | None) -> None:
         """Refuse, in one line, a config whose chains SpecEE's exits cannot verify: the passes are
@@ -100,6 +121,8 @@ class SpeculativeConfig:
             d["tree"] = {"topk": self.tree.topk, "size": self.tree.size}
         if self.method == "ngram":
             d["prompt_lookup_max"] = self.prompt_lookup_max
+        if self.quantization != DEFAULT:
+            d["quantization"] = self.quantization
         return d
 
 
@@ -116,7 +139,7 @@ def make_decoder(llm, config: SpeculativeConfig | dict[str, Any]):
     elif config.method == "draft_model":
         drafter = DraftModelDrafter(config.model, llm.tokenizer, 1, model.device, model.dtype,
                                     target_dir=llm.model_dir, vocab_size=model.cfg.vocab_size,
-                                    quantization=llm.quantization)
+                                    quantization=config.draft_quantization(llm.quantization))
     else:
         from ..drafters.eagle import EagleDrafter
         from ..drafters.eagle_head import EagleHead, head_precision
