@@ -37,6 +37,8 @@ def clone(ckpt, tmp_path):
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found: .*does-not-exist"):
         LLM(tmp_path / "does-not-exist")
+    with pytest.raises(FileNotFoundError, match="model file not found: .*missing.gguf"):
+        LLM(tmp_path / "missing.gguf")
 
 
 def test_directory_without_config(tmp_path):

@@ -24,7 +24,8 @@ def local_model(path: str | Path, what: str = "model") -> Path:
     """The checkpoint directory or .gguf file at `path` (a directory holding one .gguf gives that file)."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"{what} directory not found: {path}")
+        kind = "file" if is_gguf(path) else "directory"  # a missing .gguf path names a file
+        raise FileNotFoundError(f"{what} {kind} not found: {path}")
     if path.is_file():
         if is_gguf(path):
             return path
