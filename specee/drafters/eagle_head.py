@@ -76,13 +76,6 @@ def _param_shapes(cfg: EagleHeadConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def head_precision(target_quantization: str | None) -> str | None:
-    """The format a head runs in under its target's: float with a float target, int8 under int8, else
-    int4 (a head has no GGUF precision of its own to keep under "auto"). It drafts only, so its
-    rounding moves acceptance, never the output; the bench reports the acceptance it gets."""
-    return None if target_quantization is None else ("int8" if target_quantization == "int8" else "int4")
-
-
 def _layer_weights(params: dict[str, torch.Tensor], q_dim: int, linear) -> LayerWeights:
     """The head's layer in the runtime's LayerWeights form; `linear` makes each matrix's Linear
     (float ones hold the tensors themselves, so gradients reach them). `kv`, used only by the
@@ -118,7 +111,7 @@ class EagleHead:
         self.target, self.config, self.shortlist = target, config, shortlist
         self.target_fingerprint = target_fingerprint
         self.feature_width = len(config.feature_layers) * tc.hidden_size
-        self.params, self.quantization = params, quantization
+        self.params = params
 
         def linear(weight: torch.Tensor) -> Linear:
             if quantization is None:

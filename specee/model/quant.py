@@ -175,11 +175,11 @@ class Int4Linear(_KernelLinear):
             self.packed = _bf16_pack(q)
             self.scales_and_zeros = (  # bf16 [N/64, G, (scale, zero), 64]
                 torch.stack([self.scales, self.zeros]).view(2, N // 64, 64, K // group).permute(1, 3, 0, 2).contiguous())
-        elif q.device.type == "cuda":
-            self.packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        if self.bf16_kernel is None:
+            if q.device.type == "cuda":
+                self.packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+            else:
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
         self.nibbles = (q[:, 0::2] | q[:, 1::2] << 4).contiguous() if keep_rows else None  # [N, K/2]
 

@@ -36,7 +36,9 @@ class SpeculativeConfig:
     quantization: str | None = DEFAULT
 
     def draft_quantization(self, target_quantization: str | None) -> str | None:
-        """The draft model's weights: the config's, else int4 under a quantized target, float under a float one."""
+        """The drafter's weights (a draft model's or an EAGLE head's): the config's, else int4 under a
+        quantized target, float under a float one. A drafter only proposes: its rounding moves
+        acceptance, never the output."""
         if self.quantization is not DEFAULT:
             return self.quantization
         return None if target_quantization is None else "int4"
@@ -142,8 +144,8 @@ def make_decoder(llm, config: SpeculativeConfig | dict[str, Any]):
                                     quantization=config.draft_quantization(llm.quantization))
     else:
         from ..drafters.eagle import EagleDrafter
-        from ..drafters.eagle_head import EagleHead, head_precision
+        from ..drafters.eagle_head import EagleHead
 
-        head = EagleHead.load(config.model, model, llm.fingerprint, head_precision(llm.quantization))
+        head = EagleHead.load(config.model, model, llm.fingerprint, config.draft_quantization(llm.quantization))
         drafter = EagleDrafter(head)
     return SpeculativeDecoder(model, drafter, config.num_speculative_tokens, config.tree, config.method)

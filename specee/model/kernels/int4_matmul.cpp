@@ -16,6 +16,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace {
 
 constexpr int64_t kGroup = 32;
@@ -81,16 +84,25 @@ bool int4_supported() {
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
-  const int64_t M = xb.size(0), K = xb.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
-  TORCH_CHECK(xb.dim() == 2 && packed.dim() == 4 && packed.size(1) == K / 4 && scales.size(0) == blocks &&
-              scales.size(1) == G, "int4_mm: weight packed for another shape");
-  const at::Tensor sums = xb.to(at::kFloat).view({M, G, kGroup}).sum(-1).contiguous();  // [M, G]
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
+  TORCH_CHECK(xc.dim() == 2 && (xc.scalar_type() == at::kFloat || xc.scalar_type() == at::kBFloat16) &&
+              packed.dim() == 4 && packed.size(1) == K / 4 && scales.size(0) == blocks && scales.size(1) == G,
+              "int4_mm: float32 or bf16 activations and a weight packed for their shape");
+  // the activations rounded to bf16 (as `x.to(torch.bfloat16)` rounds) and their sums per group, in
+  // plain loops: in a decode step this runs for every product, where ATen calls cost more than the work
+  std::vector<c10::BFloat16> xb(M * K);
+  std::vector<float> sums(M * G, 0.f);
+  if (xc.scalar_type() == at::kFloat)
+    std::copy(xc.data_ptr<float>(), xc.data_ptr<float>() + M * K, xb.begin());  // float -> bf16, nearest even
+  else
+    std::copy(xc.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>() + M * K, xb.begin());
+  for (int64_t i = 0; i < M * K; ++i) sums[i / kGroup] += static_cast<float>(xb[i]);
   at::Tensor y = at::empty({M, N}, at::kFloat);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
-  const float* xs = sums.data_ptr<float>();
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data());
+  const float* xs = sums.data();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
