@@ -1,6 +1,8 @@
 """One request in flight: its tokens, its text as streamed, when it stops, and its stats."""
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,19 @@ class RequestStats:
     decode_tokens: int = 0  # tokens produced by decode steps (full depth: all but the prefill's one)
     early_exit: dict[str, Any] | None = None  # filled by the early-exit and lossless loops
     speculative: dict[str, Any] | None = None  # filled by speculative decoding (specee.spec)
+    # the request's life on the wall clock (time.monotonic()): a server's queue time and latencies
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None  # admitted to the running batch
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def queue_seconds(self) -> float | None:
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def seconds(self) -> float:
@@ -43,6 +58,10 @@ class RequestStats:
             d["early_exit"] = self.early_exit
         if self.speculative is not None:
             d["speculative"] = self.speculative
+        if self.time_to_first_token is not None:
+            d["time_to_first_token"] = round(self.time_to_first_token, 6)
+        if self.queue_seconds is not None:
+            d["queue_seconds"] = round(self.queue_seconds, 6)
         return d
 
 
@@ -52,8 +71,17 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string), "length", or "abort" (a stream closed while it ran)
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "abort" (aborted while it ran) or "error"
     stats: RequestStats
+    request_id: str = ""
+    error: str | None = None  # why a request ended with finish_reason "error" (it produced nothing more)
+
+
+_request_ids = itertools.count()
+
+
+def next_request_id() -> str:
+    return f"req-{next(_request_ids)}"
 
 
 @dataclass
@@ -67,19 +95,30 @@ class Sequence:
     text: str = ""
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    request_id: str = field(default_factory=next_request_id)
+    error: str | None = None  # set with finish_reason "error": the request could not run, or went wrong
     _streamed: int = 0
 
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         self.stats.prompt_tokens = len(self.prompt_ids)
+        self.stats.arrival_time = time.monotonic()
         self._hold = max((len(s) for s in self.params.stop), default=1) - 1
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def fail(self, message: str) -> None:
+        """End the request with an error: it is finished, and nothing else sees it."""
+        self.error = message
+        self.finish_reason = "error"
+        self.stats.finish_time = time.monotonic()
+
     def append(self, token: int) -> None:
         """Accept one generated token and decide whether the request is done."""
+        if not self.output_ids:
+            self.stats.first_token_time = time.monotonic()
         self.output_ids.append(token)
         self.stats.generated_tokens = len(self.output_ids)
         eos = token in self.eos_ids and not self.params.ignore_eos
@@ -94,9 +133,12 @@ class Sequence:
             if cut >= 0:
                 self.text = self.text[:cut]
                 self.finish_reason = "stop"
+                self.stats.finish_time = time.monotonic()
                 return
         if last:
             self.finish_reason = "stop" if eos else "length"
+        if self.finish_reason is not None:
+            self.stats.finish_time = time.monotonic()
 
     def take_stream_delta(self) -> str:
         """Text not yet streamed, holding back a tail that could still become a stop string."""
@@ -107,4 +149,4 @@ class Sequence:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
-                             self.finish_reason or "length", self.stats)
+                             self.finish_reason or "length", self.stats, self.request_id, self.error)
