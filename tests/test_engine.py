@@ -1,5 +1,6 @@
-"""The engine (add_request / step over a scheduler): batches, continuous batching at full depth
-(requests joining a running batch and leaving it), order, finishing and aborting."""
+"""The engine core (scheduler + KV-cache manager + model runner): continuous batching in every mode
+it serves, requests joining and leaving without copies, a request lifecycle that isolates bad
+requests and aborts, and a memory budget that admission respects."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,61 +11,55 @@ from checkpoints import Variant, make_checkpoint
 from ee_helpers import AllTokensDrafter, decoder
 
 from specee import LLM, SamplingParams
+from specee.engine.kv_manager import BLOCK_SIZE, KVCacheManager, parse_kv_budget
 from specee.engine.sequence import Sequence
 from specee.model.kv_cache import ContextLengthError
 
-SMALL = Variant("engine3", "llama", dict(num_hidden_layers=3, num_key_value_heads=2))
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SMALL = Variant("engine3", "llama", dict(num_hidden_layers=3, num_key_value_heads=2), vocab_padding=8)  # int4: 320 rows
+DRAFT = Variant("engine-draft", "llama", dict(num_hidden_layers=1, num_key_value_heads=2), vocab_padding=8)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    return LLM(make_checkpoint(tmp_path_factory.mktemp("engine") / "m", SMALL, seed=2), dtype="float32")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return make_checkpoint(root / "m", SMALL, seed=2), make_checkpoint(root / "d", DRAFT, seed=2)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(checkpoints[0], dtype="float32", quantization=None)
+
+
+# every mode of the engine core, on the float path and the default quantized (int4, C++) path
+MODES = {
+    "full": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+    "draft_tree": {"method": "draft_model", "num_speculative_tokens": 2, "tree": {"topk": 2, "size": 4}},
+}
+
+
+@pytest.fixture(scope="module", params=[None, "int4"], ids=["float", "int4"])
+def mode_llms(request, checkpoints):
+    """mode -> LLM for that mode, all on one precision."""
+    target, draft = checkpoints
+    base = LLM(target, dtype="float32", quantization=request.param)
+    if request.param == "int4":
+        assert base.model.fast_layers is not None, "the int4 model runs the C++ layer"
+    out = {}
+    for name, config in MODES.items():
+        llm = LLM(target, dtype="float32", quantization=request.param)
+        if config is not None and config["method"] == "draft_model":
+            config = {**config, "model": str(draft)}
+        llm.enable_speculative(config)
+        out[name] = llm
+    return out
 
 
 def sequence(llm, prompt: str, params: SamplingParams) -> Sequence:
     return Sequence(prompt, llm.encode(prompt), params, llm.tokenizer, llm.eos_ids)
-
-
-@pytest.fixture
-def batches(llm, monkeypatch):
-    """The batches the engine hands to the decoder, as lists of prompts."""
-    seen = []
-    real = llm.engine.decode
-    monkeypatch.setattr(llm.engine, "decode", lambda seqs: seen.append([s.prompt for s in seqs]) or real(seqs))
-    return seen
-
-
-def test_full_depth_batches_requests_with_their_own_parameters(llm, batches):
-    a = SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True)
-    seqs = [sequence(llm, "one", a), sequence(llm, "two", dataclasses.replace(a, max_tokens=7, top_k=5)),
-            sequence(llm, "three", SamplingParams(max_tokens=5, ignore_eos=True)),  # greedy
-            sequence(llm, "four", dataclasses.replace(a, seed=5, top_p=0.9))]
-    for s in seqs:
-        llm.engine.add_request(s)
-    finished, steps = [], 0
-    while llm.engine.has_unfinished():
-        finished += llm.engine.step()
-        steps += 1
-    assert batches == [["one", "two", "three", "four"]]
-    assert [s.prompt for s in finished] == ["one", "four", "three", "two"]  # each reported once, when done
-    assert steps == 7  # one step per token of the longest request
-    assert [len(s.output_ids) for s in seqs] == [4, 7, 5, 4]
-    alone = [llm.generate(s.prompt, s.params)[0].token_ids for s in seqs]
-    assert [s.output_ids for s in seqs] == alone
-
-
-@pytest.mark.parametrize("mode", ["lossy", "lossless"])
-def test_lossy_early_exit_batches_requests_and_lossless_takes_one_at_a_time(llm, batches, mode):
-    """Lossy one-token exits share passes; lossless mode (a rollback moves one request's slots) runs
-    the requests in turn. With predictors that never fire, both give full depth's tokens."""
-    llm.early_exit = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size), mode=mode)
-    try:
-        outs = llm.generate(["one", "two"], SamplingParams(max_tokens=3, ignore_eos=True))
-    finally:
-        llm.early_exit = None
-    assert batches == ([["one", "two"]] if mode == "lossy" else [["one"], ["two"]])
-    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(["one", "two"],
-                                                                             SamplingParams(max_tokens=3, ignore_eos=True))]
 
 
 def solo(llm, seq: Sequence) -> tuple[list[int], str, str | None]:
@@ -76,53 +71,104 @@ def solo(llm, seq: Sequence) -> tuple[list[int], str, str | None]:
     return alone.output_ids, alone.text, alone.finish_reason
 
 
-def drive(llm, arrivals: dict[int, list[Sequence]]) -> list[list[Sequence]]:
-    """Step the engine, adding arrivals[i] just before step i, until it is idle; returns what finished
-    at each step. Checks that a request added while a batch runs joins it in that step (its first
-    token comes out of it) and that the batch holds exactly the unfinished requests and newcomers."""
-    engine, finished, i = llm.engine, [], 0
+def drive(llm, arrivals: dict[int, list[Sequence]], aborts: dict[int, list[Sequence]] | None = None
+          ) -> list[list[Sequence]]:
+    """Step the engine, adding arrivals[i] (and aborting aborts[i]) just before step i, until it is
+    idle; returns what finished at each step. A newcomer joins the running batch in the step after
+    its arrival: its first token comes out of that step."""
+    engine, finished, i, aborts = llm.engine, [], 0, aborts or {}
     while i <= max(arrivals) or engine.has_unfinished():
+        for s in aborts.get(i, []):
+            engine.abort(s)
         new = arrivals.get(i, [])
         for s in new:
             engine.add_request(s)
-        rows = len(engine.running) + len(new)
-        batch = engine._batch
         finished.append(engine.step())
-        if batch is not None and new:  # joined the running batch, which took its first step with them
-            assert engine._batch in (batch, None) and all(len(s.output_ids) == 1 for s in new)
-        if engine._batch is not None:  # finished rows left it (compaction)
-            assert len(engine._batch.seqs) == engine._batch.cache.k.shape[1] == rows
+        assert all(len(s.output_ids) >= 1 for s in new)
         i += 1
     return finished
 
 
-def test_requests_join_a_running_batch_and_each_matches_decoding_alone(llm, batches):
+PROMPTS = ["one", "The quick brown fox jumps over the lazy dog while the cat sleeps", "Tom and his friend went",
+           "two", "def add(a, b): return a + b; add(add("]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_batches_mixed_requests_as_each_decodes_alone(mode_llms, mode):
+    """Requests of different lengths, parameters and max_tokens join and leave a running batch, one is
+    aborted: each greedy request gets exactly the tokens it gets decoded alone, and so does a seeded
+    sampled one; the greedy tokens are full depth's (speculation is lossless)."""
+    llm, full = mode_llms[mode], mode_llms["full"]
     greedy = SamplingParams(ignore_eos=True, max_tokens=10)
-    a = sequence(llm, "one", greedy)
-    long = "The quick brown fox jumps over the lazy dog while the cat sleeps"  # longer than the history
-    b = sequence(llm, long, dataclasses.replace(greedy, max_tokens=4))
-    c = sequence(llm, "Tom and his friend went", dataclasses.replace(greedy, max_tokens=9))
-    d = sequence(llm, "two", dataclasses.replace(greedy, max_tokens=2))
-    finished = drive(llm, {0: [a], 2: [b], 3: [c, d]})
-    assert batches == [["one"]]  # one batch: the others joined it
-    # each finished at its own step (joined + max_tokens - 1), the others running on
-    assert [[s.prompt for s in f] for f in finished] == ([[]] * 4 + [["two"], [long]] + [[]] * 3
-                                                         + [["one"], [], [c.prompt]])
-    for s in (a, b, c, d):
-        assert (s.output_ids, s.text, s.finish_reason) == solo(llm, s)
-    assert a.stats.decode_tokens == 9 and b.stats.prefill_seconds > 0 and b.stats.decode_seconds > 0
+    seqs = [sequence(llm, PROMPTS[0], greedy),
+            sequence(llm, PROMPTS[1], dataclasses.replace(greedy, max_tokens=4)),
+            sequence(llm, PROMPTS[2], dataclasses.replace(greedy, max_tokens=12)),
+            sequence(llm, PROMPTS[3], dataclasses.replace(greedy, max_tokens=2)),
+            sequence(llm, PROMPTS[4], SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True))]
+    aborted = sequence(llm, PROMPTS[2], dataclasses.replace(greedy, max_tokens=30))
+    drive(llm, {0: [seqs[0], aborted], 2: [seqs[1]], 3: [seqs[2], seqs[3]], 4: [seqs[4]]}, aborts={3: [aborted]})
+    assert aborted.finish_reason == "abort" and 1 <= len(aborted.output_ids) < 30
+    for s in seqs:
+        assert (s.output_ids, s.text, s.finish_reason) == solo(llm, s), s.prompt
+    for s in seqs[:4]:
+        assert s.output_ids == solo(full, s)[0], s.prompt
+    assert llm.engine.kv.free_blocks == llm.engine.kv.num_blocks  # every request gave its blocks back
+    if mode != "full":
+        assert seqs[0].stats.speculative["target_passes"] >= 1
+
+
+def test_requests_join_and_leave_without_copying_anyones_cache(mode_llms):
+    """A running request's cache is a view of the pool that never moves, whoever joins or leaves."""
+    llm = mode_llms["ngram"]
+    engine, greedy = llm.engine, SamplingParams(ignore_eos=True, max_tokens=12)
+    first = sequence(llm, PROMPTS[0], greedy)
+    engine.add_request(first)
+    engine.step()
+    (running,) = engine.scheduler.running
+    where = running.cache.k.data_ptr(), running.cache.v.data_ptr(), running.cache.filled.data_ptr()
+    pool = engine.kv.k.data_ptr()
+    for step in range(10):
+        if step in (1, 4):
+            engine.add_request(sequence(llm, PROMPTS[1 + step % 3], dataclasses.replace(greedy, max_tokens=3)))
+        engine.step()
+        assert (running.cache.k.data_ptr(), running.cache.v.data_ptr(), running.cache.filled.data_ptr()) == where
+        assert engine.kv.k.data_ptr() == pool
+        assert running.cache.k.untyped_storage().data_ptr() == engine.kv.k.untyped_storage().data_ptr()
+    while engine.has_unfinished():
+        engine.step()
+    assert first.output_ids == solo(llm, first)[0]
+
+
+def test_a_request_that_cannot_run_ends_with_an_error_and_the_others_run_on(llm):
+    """A prompt that does not fit the context, added next to a running request, ends with finish_reason
+    "error" and its message; the running request never sees it and matches decoding alone."""
+    running = sequence(llm, "one", SamplingParams(max_tokens=5, ignore_eos=True))
+    llm.engine.add_request(running)
+    llm.engine.step()
+    bad = Sequence([5] * 250, [5] * 250, SamplingParams(max_tokens=10), llm.tokenizer, llm.eos_ids)
+    empty = Sequence([], [], SamplingParams(max_tokens=10), llm.tokenizer, llm.eos_ids)
+    llm.engine.add_request(bad)
+    llm.engine.add_request(empty)
+    finished = llm.engine.step()
+    assert bad in finished and empty in finished and running not in finished
+    assert bad.finish_reason == "error" and "exceeds the model's context of 256 tokens" in bad.error
+    assert empty.finish_reason == "error" and "empty prompt" in empty.error
+    assert bad.output().error == bad.error and not bad.output_ids
+    while llm.engine.has_unfinished():
+        assert bad not in llm.engine.step()  # reported once
+    assert running.output_ids == solo(llm, running)[0]
+    # the synchronous API refuses it before any work
+    with pytest.raises(ContextLengthError, match=r"prompt \(250 tokens\)"):
+        llm.generate([[5, 6], [5] * 250], SamplingParams(max_tokens=10))
 
 
 def test_seeded_sampling_per_request_is_independent_of_the_batch(llm):
-    """Each request draws from its own generator: the same tokens alone, in a batch, or joining one
-    at another step."""
     p = SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
     params = [p, dataclasses.replace(p, seed=4, top_k=5), dataclasses.replace(p, seed=5, top_p=0.8, max_tokens=5),
               SamplingParams(max_tokens=6, ignore_eos=True)]
-    prompts = ["one", "Tom and his friend went", "two", "The quick brown fox"]
     outs = []
     for arrivals in ({0: [0, 1, 2, 3]}, {0: [3], 1: [0], 4: [1, 2]}, {0: [2], 3: [1], 5: [0, 3]}):
-        seqs = [sequence(llm, prompt, sp) for prompt, sp in zip(prompts, params)]
+        seqs = [sequence(llm, prompt, sp) for prompt, sp in zip(PROMPTS, params)]
         drive(llm, {step: [seqs[i] for i in rows] for step, rows in arrivals.items()})
         outs.append([s.output_ids for s in seqs])
     assert outs[0] == outs[1] == outs[2] == [solo(llm, s)[0] for s in seqs]
@@ -130,13 +176,12 @@ def test_seeded_sampling_per_request_is_independent_of_the_batch(llm):
 
 def test_a_stop_in_one_row_does_not_disturb_the_others(llm):
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
-    tokens = solo(llm, sequence(llm, "Tom and his friend went", greedy))[0]
-    eos = sequence(llm, "Tom and his friend went", dataclasses.replace(greedy, ignore_eos=False))
+    tokens = solo(llm, sequence(llm, PROMPTS[2], greedy))[0]
+    eos = sequence(llm, PROMPTS[2], dataclasses.replace(greedy, ignore_eos=False))
     eos.eos_ids = frozenset({tokens[3]})  # its 4th token (or an earlier one like it) ends it
     text = solo(llm, sequence(llm, "one", greedy))[1]
     stop = sequence(llm, "one", dataclasses.replace(greedy, stop=(text[3:6],)))  # a stop string inside its text
-    others = [sequence(llm, "two", greedy),
-              sequence(llm, "The quick brown fox", dataclasses.replace(greedy, max_tokens=9))]
+    others = [sequence(llm, "two", greedy), sequence(llm, PROMPTS[1], dataclasses.replace(greedy, max_tokens=9))]
     drive(llm, {0: [others[0], eos], 1: [stop, others[1]]})
     assert eos.finish_reason == stop.finish_reason == "stop"
     assert len(eos.output_ids) <= 4 and len(stop.output_ids) < 12
@@ -144,72 +189,123 @@ def test_a_stop_in_one_row_does_not_disturb_the_others(llm):
         assert (s.output_ids, s.text, s.finish_reason) == solo(llm, s)
 
 
-def test_abort_lets_a_running_request_go_and_the_batch_runs_on(llm):
-    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.5, seed=7)
-    first, second = sequence(llm, "one", params), sequence(llm, "two", dataclasses.replace(params, top_k=3))
-    waiting = sequence(llm, "three", params)
+def test_finished_requests_are_reported_once_when_they_finish(llm):
+    a = SamplingParams(max_tokens=4, ignore_eos=True)
+    seqs = [sequence(llm, "one", a), sequence(llm, "two", dataclasses.replace(a, max_tokens=7)),
+            sequence(llm, "three", dataclasses.replace(a, max_tokens=5))]
+    finished = drive(llm, {0: seqs})
+    # the prefill step gives each its first token, then one step per token
+    assert [[s.prompt for s in f] for f in finished] == [[], [], [], ["one"], ["three"], [], ["two"]]
+    assert seqs[0].stats.decode_tokens == 3 and seqs[0].stats.prefill_seconds > 0
+    assert seqs[0].stats.time_to_first_token is not None and seqs[0].stats.queue_seconds >= 0
+
+
+def test_five_hundred_requests_against_a_small_budget_all_finish_within_it(checkpoints):
+    """The pool holds 192 tokens (4 to 12 of these requests): the rest wait for blocks, none fails, the pool
+    never grows, and each request's tokens equal its tokens decoded alone."""
+    llm = LLM(checkpoints[0], dtype="float32", quantization=None, kv_cache_memory=4 * 48)
     engine = llm.engine
-    engine.add_request(first)
-    engine.step()
-    engine.add_request(second)
-    engine.step()  # second joins
-    engine.add_request(waiting)
-    engine.abort(waiting)  # never runs
-    engine.abort(first)
-    assert [s is second for s in engine.running] == [True] and first.stats.decode_seconds > 0
-    engine.step()
-    assert [s is second for s in engine._batch.seqs] == [True] and engine._batch.cache.k.shape[1] == 1  # row left
+    capacity, pool = engine.kv.capacity, engine.kv.k.data_ptr()
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(500):
+        ids = torch.randint(3, llm.model.cfg.vocab_size, (int(torch.randint(1, 16, (1,), generator=g)),),
+                            generator=g).tolist()
+        seqs.append(Sequence(ids, ids, SamplingParams(max_tokens=1 + i % 24, ignore_eos=True), llm.tokenizer,
+                             llm.eos_ids))
+        engine.add_request(seqs[-1])
+    most = 0
     while engine.has_unfinished():
         engine.step()
-    assert len(first.output_ids) == 2 and not waiting.output_ids
-    assert second.output_ids == solo(llm, second)[0]
-    engine.add_request(first := sequence(llm, "one", params))
-    engine.step()
-    engine.abort(first)  # the last running request: the batch stops
-    assert not engine.has_unfinished() and len(first.output_ids) == 1 and first.stats.decode_seconds > 0
+        used = sum(n for _, n in engine.kv.owned.values()) * BLOCK_SIZE
+        assert used <= capacity
+        most = max(most, len(engine.scheduler.running))
+    assert engine.kv.capacity == capacity and engine.kv.k.data_ptr() == pool
+    assert all(s.finish_reason == "length" and len(s.output_ids) == s.params.max_tokens for s in seqs)
+    assert 2 <= most <= capacity // BLOCK_SIZE  # several at a time (a block each at least), within the budget
+    for s in seqs[:: 50]:
+        assert s.output_ids == llm.generate([s.prompt_ids], s.params)[0].token_ids
 
 
-def test_a_newcomer_that_does_not_fit_is_refused_and_the_batch_runs_on(llm):
-    running = sequence(llm, "one", SamplingParams(max_tokens=5, ignore_eos=True))
-    llm.engine.add_request(running)
-    llm.engine.step()
-    llm.engine.add_request(Sequence([5] * 250, [5] * 250, SamplingParams(max_tokens=10), llm.tokenizer, llm.eos_ids))
-    with pytest.raises(ContextLengthError):
-        llm.engine.step()
-    assert [s.prompt for s in llm.engine.running] == ["one"] and not llm.engine.scheduler.waiting
+def test_max_num_seqs_bounds_the_running_batch(checkpoints):
+    llm = LLM(checkpoints[0], dtype="float32", quantization=None, max_num_seqs=2)
+    seqs = [sequence(llm, p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in PROMPTS[:4]]
+    for s in seqs:
+        llm.engine.add_request(s)
     while llm.engine.has_unfinished():
         llm.engine.step()
-    assert running.output_ids == solo(llm, running)[0]
+        assert len(llm.engine.scheduler.running) <= 2
+    assert all(len(s.output_ids) == 3 for s in seqs)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(checkpoints[0], quantization=None, max_num_seqs=0)
 
 
-@pytest.mark.parametrize("long_prompt", [False, True])
-def test_a_newcomer_needing_more_room_grows_the_cache(llm, long_prompt):
-    """The cache is sized to what its rows need; a newcomer needing more (a prompt longer than the
-    history, more tokens to go) grows it. With the rows staggered, the shared slots may pass the
-    model's context (256 here) while each row's positions stay within it."""
-    g = torch.Generator().manual_seed(0)
+def test_kv_manager_hands_out_consecutive_runs_and_merges_them_back(llm):
+    cfg = llm.model.cfg
+    kv = KVCacheManager(cfg, torch.device("cpu"), torch.float32, 10 * BLOCK_SIZE)
+    a = kv.allocate("a", 3 * BLOCK_SIZE)
+    b = kv.allocate("b", 2 * BLOCK_SIZE + 1)  # rounds up to 3 blocks
+    c = kv.allocate("c", 4 * BLOCK_SIZE)
+    assert a.max_len == 3 * BLOCK_SIZE and b.max_len == 3 * BLOCK_SIZE and kv.free_blocks == 0
+    assert kv.allocate("d", 1) is None  # waits
+    kv.free("b")
+    assert kv.allocate("d", 4 * BLOCK_SIZE) is None  # 3 free blocks, not 4
+    kv.free("a")
+    assert kv.free_runs == [(0, 6)]  # merged with its free neighbour
+    d = kv.allocate("d", 5 * BLOCK_SIZE)
+    assert d is not None and kv.owned["d"] == (0, 5)
+    kv.free("c")
+    kv.free("d")
+    assert kv.free_runs == [(0, 10)] and kv.free_blocks == kv.num_blocks
+    del c
 
-    def ids(n: int) -> list[int]:
-        return torch.randint(3, llm.model.cfg.vocab_size, (n,), generator=g).tolist()
 
-    greedy = SamplingParams(ignore_eos=True, max_tokens=6)
-    if long_prompt:  # a row deep into the context, then one that needs most of it
-        old = Sequence("old", ids(200), dataclasses.replace(greedy, max_tokens=40), llm.tokenizer, llm.eos_ids)
-        new = Sequence("new", ids(5), dataclasses.replace(greedy, max_tokens=200), llm.tokenizer, llm.eos_ids)
-        join = 10
-    else:
-        old = sequence(llm, "one", greedy)
-        new = Sequence("new", ids(30), dataclasses.replace(greedy, max_tokens=20), llm.tokenizer, llm.eos_ids)
-        join = 2
-    engine = llm.engine
-    engine.add_request(old)
-    for _ in range(join):
-        engine.step()
-    before = engine._batch.cache.max_len
-    engine.add_request(new)
-    engine.step()
-    grown = engine._batch.cache.max_len
-    assert grown > before and (grown > llm.model.cfg.max_position_embeddings) == long_prompt
-    while engine.has_unfinished():
-        engine.step()
-    assert old.output_ids == solo(llm, old)[0] and new.output_ids == solo(llm, new)[0]
+def test_kv_budget_is_parsed_from_tokens_or_a_size(llm):
+    cfg, dtype = llm.model.cfg, torch.float32
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert parse_kv_budget(1000, cfg, dtype) == 1000
+    assert parse_kv_budget("1MiB", cfg, dtype) == (1 << 20) // per_token
+    assert parse_kv_budget("2 GB", cfg, dtype) == (2 << 30) // per_token
+    assert parse_kv_budget(None, cfg, dtype) >= cfg.context_limit
+    for bad in ("lots", "-1MiB", "0"):
+        with pytest.raises(ValueError, match="--kv-cache-memory"):
+            parse_kv_budget(bad, cfg, dtype)
+
+
+def test_interleaved_streams_each_equal_generate(mode_llms):
+    """Streams advanced alternately: whichever consumer drives a step, each stream yields its whole
+    text (it must drain the delta left when another consumer's step finished it)."""
+    llm = mode_llms["ngram"]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 6, 15, 9)]
+    streams = [llm.stream(p, sp) for p, sp in zip(PROMPTS, params)]
+    texts = ["" for _ in streams]
+    live = set(range(len(streams)))
+    while live:
+        for i in sorted(live):
+            try:
+                texts[i] += next(streams[i])
+            except StopIteration:
+                live.discard(i)
+    assert texts == [o.text for o in llm.generate(PROMPTS[:4], params)]
+
+
+@pytest.mark.parametrize("mode", ["lossy", "lossless"])
+def test_early_exit_runs_on_its_own_engine_and_gives_full_depths_tokens(llm, mode):
+    """Lossy one-token exits share passes; lossless mode takes requests in turn. With predictors that
+    never fire, both give full depth's tokens; a request that cannot run ends with an error there too."""
+    full = llm.generate(["one", "two"], SamplingParams(max_tokens=3, ignore_eos=True))
+    llm.early_exit = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size), mode=mode)
+    llm._new_engine()
+    batches = []
+    real = llm.engine.decode
+    llm.engine.decode = lambda seqs: batches.append([s.prompt for s in seqs]) or real(seqs)
+    try:
+        outs = llm.generate(["one", "two"], SamplingParams(max_tokens=3, ignore_eos=True))
+        bad = Sequence([5] * 250, [5] * 250, SamplingParams(max_tokens=10), llm.tokenizer, llm.eos_ids)
+        llm.engine.add_request(bad)
+        assert llm.engine.step() == [bad] and bad.finish_reason == "error"
+    finally:
+        llm.early_exit = None
+        llm._new_engine()
+    assert batches == ([["one", "two"]] if mode == "lossy" else [["one"], ["two"]])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full]

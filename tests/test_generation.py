@@ -350,17 +350,17 @@ def test_stream_runs_in_the_callers_thread_and_stops_when_closed(llm, monkeypatc
     decoding at once."""
     import threading
 
-    from specee.engine import full_depth
+    from specee.engine.runner import ModelRunner
 
     threads, decoded = set(), []
-    real_step = full_depth.decode_step
+    real_forward = ModelRunner.forward
 
     def spy(*args, **kwargs):
         threads.add(threading.get_ident())
         decoded.append(1)
-        return real_step(*args, **kwargs)
+        return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(full_depth, "decode_step", spy)
+    monkeypatch.setattr(ModelRunner, "forward", spy)
     stream = llm.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(3):
         next(stream)

@@ -16,10 +16,11 @@ from specee.drafters.ngram import NGramDrafter
 from specee.engine.sequence import Sequence
 from specee.model.quant import FloatLinear, Int4Linear
 from specee.sampling import SamplingParams
-from specee.spec import SpeculativeDecoder, TreeShape
-from specee.spec import verify as verify_module
-from specee.spec.config import SpeculativeConfig
-from specee.spec.verify import accept_chain_sampled, accept_tree
+from specee.engine.engine import Engine
+from specee.speculative import SpeculativeDecoding, TreeShape
+from specee.speculative import verify as verify_module
+from specee.speculative.config import SpeculativeConfig
+from specee.speculative.verify import accept_chain_sampled, accept_tree
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -62,7 +63,7 @@ class ScriptedDrafter(Drafter):
 def run(model, tokenizer, drafter, ids: list[int], params: SamplingParams, n: int = 4,
         tree: TreeShape | None = None) -> Sequence:
     seq = Sequence(ids, list(ids), params, tokenizer, frozenset())
-    SpeculativeDecoder(model, drafter, n, tree).generate(seq)
+    SpeculativeDecoding(model, drafter, n, tree).generate(seq)
     return seq
 
 
@@ -296,7 +297,7 @@ def test_sampled_speculation_has_the_targets_joint_distribution(tiny_llm, method
 # ---- trees -----------------------------------------------------------------------------------------
 def test_accept_tree_follows_the_matching_path():
     """root -> {a:5, b:6}; a -> {c:7}; b -> {d:8}; c -> {e:9}. choices after root 6, after b 8, after d 3."""
-    from specee.spec.tree import Tree
+    from specee.speculative.tree import Tree
 
     tokens = torch.tensor([1, 5, 6, 7, 8, 9])
     parents = torch.tensor([0, 0, 0, 1, 2, 3])
@@ -328,18 +329,18 @@ def test_one_host_read_per_speculative_step(ref, ref_draft, monkeypatch, kind):
 
         monkeypatch.setattr(torch.Tensor, name, counting)
     steps = {"n": 0}
-    original_step = SpeculativeDecoder.step
+    original_step = Engine.step
 
-    def counted_step(self, last):
+    def counted_step(self):
         steps["n"] += 1
-        return original_step(self, last)
+        return original_step(self)
 
-    monkeypatch.setattr(SpeculativeDecoder, "step", counted_step)
+    monkeypatch.setattr(Engine, "step", counted_step)
     seq = Sequence(ids, list(ids), params, llm.tokenizer, frozenset())
-    SpeculativeDecoder(model, drafter, 4, tree).generate(seq)
+    SpeculativeDecoding(model, drafter, 4, tree).generate(seq)
     monkeypatch.undo()
     assert seq.output_ids == expected
-    assert reads["n"] == steps["n"] + 1  # one per step, plus the prefill's first token
+    assert reads["n"] == steps["n"]  # one per engine step, the prefill's included
 
 
 # ---- configuration -----------------------------------------------------------------------------------
@@ -367,7 +368,7 @@ def test_a_quantized_targets_draft_model_runs_int4_unless_the_config_says(ref):
     from conftest import real_model_dir
 
     from specee import LLM
-    from specee.spec.config import make_decoder
+    from specee.speculative.config import make_decoder
 
     draft = str(real_model_dir("ref-draft-4L"))
     assert SpeculativeConfig.parse({"method": "draft_model", "model": draft}).draft_quantization("auto") == "int4"

@@ -240,7 +240,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def add_speculative_bench_args(s: argparse.ArgumentParser) -> None:
     from ..cli.args import speculative_config_arg
 
-    g = s.add_argument_group("speculative decoding (specee.spec) and transformers' assisted generation")
+    g = s.add_argument_group("speculative decoding (specee.speculative) and transformers' assisted generation")
     g.add_argument("--speculative-config", type=speculative_config_arg, action="append", default=[], metavar="JSON",
                    help='a speculative configuration to run, as in vLLM (repeatable): \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\'')

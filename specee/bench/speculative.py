@@ -19,7 +19,7 @@ SPEC_KINDS = ("speculative", "hf_assisted")
 
 def speculative_specs(configs: list[dict[str, Any]], prompt_lookup: int | None, assistant: str | None) -> list:
     """ConfigSpecs for specee's speculative configs and transformers' assisted-generation peers."""
-    from ..spec.config import SpeculativeConfig
+    from ..speculative.config import SpeculativeConfig
 
     specs = []
     for raw in configs:
@@ -50,7 +50,7 @@ class SpeculativeRunner:
         llm = self.llm
         if spec.kind == "speculative":
             if spec.name not in self.decoders:
-                from ..spec.config import make_decoder
+                from ..speculative.config import make_decoder
 
                 self.decoders[spec.name] = make_decoder(llm, spec.config)
             llm.early_exit, llm.speculative = None, self.decoders[spec.name]

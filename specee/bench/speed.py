@@ -54,7 +54,7 @@ def merged_specs(speculative: list[dict[str, Any]], draft: str, bank: str | None
     """Each speculative config the early-exit drafter can draft for, with SpecEE's exits inside its
     verification passes: lossy per KV policy, and lossless."""
     from ..engine.llm import merged_config
-    from ..spec.config import SpeculativeConfig
+    from ..speculative.config import SpeculativeConfig
 
     opts = {key: v for key, v in (ee_options or {}).items() if key != "num_draft_tokens"}
     modes = [(p, "lossy") for p in policies] + ([("recompute", "lossless")] if lossless else [])

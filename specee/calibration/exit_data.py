@@ -14,7 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..drafters.base import Drafter, frequency_shortlist
-from ..engine.full_depth import check_fits, decode_step, prefill, prefill_inputs
+from ..engine.full_depth import decode_step, prefill, prefill_inputs
+from ..engine.scheduler import check_fits
 from ..exit.features import exit_features, spec_rows
 from ..model.llama import Transformer
 from .prompts import encode_prompt
@@ -142,7 +143,7 @@ def record_calibration(model: Transformer, tokenizer: Tokenizer, drafter: Drafte
     for i, ids in enumerate(enc):
         if not ids:
             raise ValueError(f"calibration prompt {i} encodes to no tokens")
-        check_fits(model, len(ids), max_new_tokens)
+        check_fits(model.cfg.context_limit, len(ids), max_new_tokens)
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))  # similar lengths batch together
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 

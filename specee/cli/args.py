@@ -188,7 +188,7 @@ def early_exit_config(args: argparse.Namespace):
                            max_pending=args.max_pending, threshold_scale=args.threshold_scale)
 
 
-# ---- speculative decoding (specee.spec) ----------------------------------------------------
+# ---- speculative decoding (specee.speculative) ----------------------------------------------------
 def speculative_config_arg(value: str) -> dict:
     try:
         config = json.loads(value)
@@ -219,7 +219,7 @@ def load_llm(args: argparse.Namespace):
         raise CLIError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}); use --device cpu")
     speculative = getattr(args, "speculative_config", None)
     if speculative is not None:
-        from ..spec.config import SpeculativeConfig
+        from ..speculative.config import SpeculativeConfig
 
         speculative = SpeculativeConfig.parse(speculative)  # before loading: bad configs fail fast
     config = early_exit_config(args) if hasattr(args, "no_exit") else None

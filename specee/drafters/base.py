@@ -9,7 +9,7 @@ A drafter's state is the token history it has consumed (prompt + emitted tokens)
 `reset(prompt)` starts it, `advance(token)` appends one token, `truncate(length)` rolls it
 back (lossless mode), and `propose()` is the top-k for the position after the history.
 
-Speculative decoding (specee/spec/) asks for several tokens ahead instead: `draft(n, ...)`
+Speculative decoding (specee/speculative/) asks for several tokens ahead instead: `draft(n, ...)`
 returns a chain of n tokens for the positions after the history (and, when sampled, the
 distributions they were drawn from) without consuming them; `commit(tokens, matched, ...)`
 then consumes what the target accepted. Drafters that read the target's hidden states (the

@@ -189,7 +189,7 @@ class DraftModelDrafter(Drafter):
             self._drafted = n
         return self._top_k(torch.cat(states))
 
-    # the draft-tree interface (specee.spec.tree.TreeGrower): candidates sit at slots n + c
+    # the draft-tree interface (specee.speculative.tree.TreeGrower): candidates sit at slots n + c
     def tree_root(self, candidates: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Logits for the position after the history and the token id of each column; None when
         `candidates` rows do not fit the draft's context."""

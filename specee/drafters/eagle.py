@@ -7,7 +7,7 @@ slot and RoPE position t + 1 and predicts the token at t + 2; slot 0 is never wr
 
 * begin: pairs (f(x_0), x_1) .. (f(x_{m-2}), x_{m-1}) of the prompt in one head pass;
 * draft: a chain, feeding the head's own output back with each draft token;
-* tree_root / tree_rows: the same, for the beam rows of an EAGLE-2 tree (spec/tree.py);
+* tree_root / tree_rows: the same, for the beam rows of an EAGLE-2 tree (speculative/tree.py);
 * commit: the target's real features replace the fed-back ones: the accepted rows are rerun.
 """
 from __future__ import annotations
@@ -111,7 +111,8 @@ class EagleDrafter(Drafter):
         self._no_features()
 
     def fork(self) -> "EagleDrafter":
-        self._no_features()
+        """The same head with a cache of its own: each request of a batch drafts with one."""
+        return EagleDrafter(self.head, self.k, self._cache.max_len)
 
     def truncate(self, length: int) -> None:
         self._no_features()

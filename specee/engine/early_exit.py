@@ -30,9 +30,10 @@ from ..exit.scheduler import ExitPayoff, TwoLevelScheduler
 from ..exit.stats import ExitStats
 from ..model.llama import StepInputs, Transformer
 from ..sampling import RowSampler, SamplingParams, probabilities
-from ..spec.speculative import SpecStats
-from ..spec.verify import verify_chain
-from .full_depth import check_fits, prefill
+from ..speculative.speculative import SpecStats
+from ..speculative.verify import verify_chain
+from .full_depth import prefill
+from .scheduler import check_fits
 from .sequence import Sequence
 from .teacher import TeacherForcedStep, TeacherForcing
 
@@ -212,7 +213,7 @@ class DecodeRun:
         """Decode the requests, yielding after each pass or flush."""
         model, seqs = self.model, [r.seq for r in self.requests]
         for s in seqs:
-            check_fits(model, len(s.prompt_ids), s.params.max_tokens)
+            check_fits(model.cfg.context_limit, len(s.prompt_ids), s.params.max_tokens)
         # All but the last prompt token at full depth; the last one is the first early-exit pass,
         # so the first generated token can exit too (it is all a multiple-choice answer has).
         width = max(len(s.prompt_ids) for s in seqs) - 1

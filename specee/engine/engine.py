@@ -1,115 +1,128 @@
-"""The engine: requests in, one step at a time (shaped like vLLM's LLMEngine).
+"""The engine: requests in, one step at a time (shaped like vLLM's LLMEngine, nano-vllm's split).
 
-`add_request` queues a Sequence; `step()` advances the running batch by one decode step (a
-full-depth step of every row, an early-exit pass, or one draft-verify round) and returns
-the sequences that finished in it. Full depth batches continuously: a request added while a
-full-depth batch runs joins it at the next step, and finished requests leave it (each row keeps
-its own SamplingParams). Lossy one-token early exit decodes the waiting requests as one batch
-(no newcomers until it ends); speculative decoding and lossless early exit take one request at
-a time. `LLM.generate` and `LLM.stream` are loops over `step()` in the caller's thread.
+    step():
+        batch = scheduler.schedule()               # running requests + newcomers that fit
+        segments = [plan(r) for r in batch]        # a newcomer's prompt, or the rows its decoding adds
+        h, features = runner.forward(segments)     # one ragged forward over every request's rows
+        verdicts = choose(batch, h)                # sample / accept drafts; one host read for all
+        commit(batch, verdicts)                    # cache lengths (rollback), drafters, stop checks
+        return scheduler.retire()                  # finished requests leave, their blocks come free
+
+Every request decodes with the LLM's decoding (engine/decoding.py: full depth, or speculative
+decoding's chains and trees), each with its own sampling parameters, generator and drafter, and
+joins or leaves between steps without touching anyone else's cache (engine/kv_manager.py).
+A request whose prompt does not fit ends with an error at `add_request`, seen by no one else.
 """
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Protocol, runtime_checkable
+import torch
 
+from ..clock import device_time
+from ..model.llama import Transformer
+from ..sampling import sample
+from .decoding import FullDepth
+from .kv_manager import KVCacheManager, parse_kv_budget
+from .runner import ModelRunner, Segment
+from .scheduler import Running, Scheduler
 from .sequence import Sequence
 
-
-@runtime_checkable
-class ContinuousBatch(Protocol):
-    """What a batched decoder returns (full_depth.FullDepthBatch): an iterator of steps that takes
-    newcomers and lets a request go between steps."""
-
-    def __next__(self) -> None: ...
-
-    def add(self, seqs: list[Sequence]) -> None: ...
-
-    def drop(self, seq: Sequence) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Scheduler:
-    """Waiting requests, in arrival order, and how the next batch is formed from them."""
-
-    def __init__(self) -> None:
-        self.waiting: deque[Sequence] = deque()
-
-    def next_batch(self, batched: bool) -> list[Sequence]:
-        """The oldest request alone, or with `batched` every waiting one."""
-        if not batched:
-            return [self.waiting.popleft()]
-        batch, self.waiting = list(self.waiting), deque()
-        return batch
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_BATCHED_TOKENS = 8192
 
 
 class Engine:
-    """Steps the decoder chosen at admission over the scheduler's batches.
+    def __init__(self, model: Transformer, decoding: FullDepth | None = None, kv_cache_memory: int | str | None = None,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS):
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs (--max-num-seqs) must be a positive integer, got {max_num_seqs!r}")
+        self.model = model
+        self.decoding = decoding or FullDepth(model)
+        self.runner = ModelRunner(model)
+        self.kv = KVCacheManager(model.cfg, model.device, model.dtype,
+                                 parse_kv_budget(kv_cache_memory, model.cfg, model.dtype))
+        self.scheduler = Scheduler(self.kv, model.cfg.context_limit, self.decoding.extra_rows, max_num_seqs,
+                                   max_num_batched_tokens)
 
-    decode(batch): the decoder's steps over a new batch (every waiting request where batched()
-    holds, else the oldest): a generator yielding after each step (engine/early_exit.py,
-    spec/speculative.py), or a ContinuousBatch (engine/full_depth.py) that later requests join
-    while batched() still holds.
-    running: the requests in the running batch that have not finished."""
-
-    def __init__(self, decode: Callable[[list[Sequence]], Iterator[None]], batched: Callable[[], bool]):
-        self.decode, self.batched = decode, batched
-        self.scheduler = Scheduler()
-        self.running: list[Sequence] = []
-        self._steps: Iterator[None] | None = None
-        self._batch: ContinuousBatch | None = None  # the running batch, when it takes newcomers
+    def check(self, seq: Sequence) -> None:
+        """Raise ValueError if the request can never run (empty, longer than the context or the cache)."""
+        self.scheduler.check(seq)
 
     def add_request(self, seq: Sequence) -> None:
-        self.scheduler.waiting.append(seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running or self.scheduler.waiting)
-
-    def step(self) -> list[Sequence]:
-        """One step of the running batch (admitting waiting requests into it, or forming the next
-        batch if none runs); returns the sequences that finished in it."""
-        if not self.running:
-            if not self.scheduler.waiting:
-                return []
-            batched = self.batched()
-            batch = self.scheduler.next_batch(batched)
-            self._steps = self.decode(batch)
-            self._batch = self._steps if isinstance(self._steps, ContinuousBatch) else None
-            self.running = batch
-        elif self.scheduler.waiting and self._batch is not None and self.batched():
-            newcomers = self.scheduler.next_batch(True)
-            self._batch.add(newcomers)  # refuses them all, before any work, if one does not fit
-            self.running += newcomers
-        try:
-            done = next(self._steps, StopIteration) is StopIteration
-        except BaseException:
-            self._close()  # a decoder that raised is done: its requests cannot go on
-            raise
-        finished = [s for s in self.running if s.finished]
-        if finished:
-            self.running = [s for s in self.running if not s.finished]
-        if done or not self.running:
-            self._close()
-        return finished
+        """Queue a request; one that can never run ends at the next step with finish_reason "error"."""
+        self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request (a closed stream), which finishes as "abort": a continuous batch lets it go
-        and runs on; another batch of several keeps its row, idle, to its end; a request decoding
-        alone stops."""
-        if any(s is seq for s in self.running):
-            seq.finish_reason = seq.finish_reason or "abort"
-            if len(self.running) == 1:
-                self._close()
-                return
-            if self._batch is not None:
-                self._batch.drop(seq)
-            self.running = [s for s in self.running if s is not seq]
-        else:  # by identity: two requests with the same prompt and parameters compare equal
-            self.scheduler.waiting = deque(s for s in self.scheduler.waiting if s is not seq)
+        """Drop a request (a closed stream, a client gone): it finishes as "abort" and its blocks come free."""
+        running = self.scheduler.abort(seq)
+        if running is not None:
+            self._settle(running)
 
-    def _close(self) -> None:
-        if self._steps is not None:
-            self._steps.close()  # runs the decoder's own bookkeeping: its timing and stats
-        self.running, self._steps, self._batch = [], None, None
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """One step of every running request (newcomers: their prefill); returns those that finished."""
+        batch = self.scheduler.schedule()
+        if batch:
+            t0 = device_time(self.model.device)
+            segments = [self._plan(r) for r in batch]
+            h, features = self.runner.forward(segments, self.decoding.feature_layers)
+            self._commit(batch, segments, h, features, t0)
+        failed, done = self.scheduler.retire()
+        for r in done:
+            self._settle(r)
+        return failed + [r.seq for r in done]
+
+    def _plan(self, r: Running) -> Segment:
+        if r.prefilled:
+            return self.decoding.plan(r)
+        ids = torch.tensor(r.seq.prompt_ids, device=self.model.device)
+        return Segment(ids, r.cache, self.model.range_inputs(0, len(r.seq.prompt_ids)))
+
+    def _commit(self, batch: list[Running], segments: list[Segment], h: torch.Tensor,
+                features: torch.Tensor | None, t0: float) -> None:
+        """Choose every request's tokens from its rows' logits (a newcomer: its prompt's last row) with
+        one LM-head call and one host read, then commit them."""
+        firsts, picks, offset = [], [], 0
+        for r, seg in zip(batch, segments):
+            n = seg.tokens.shape[0]
+            firsts.append(offset)
+            picks.append(torch.arange(offset, offset + n) if r.prefilled else torch.tensor([offset + n - 1]))
+            offset += n
+        index = torch.cat(picks).to(h.device)
+        logits = self.model.logits(h.index_select(0, index))
+        verdicts, at = [], 0
+        for r, pick in zip(batch, picks):
+            rows = logits[at : at + len(pick)]
+            at += len(pick)
+            verdicts.append(self.decoding.choose(r, rows) if r.prefilled else sample(rows, r.seq.params, r.generator))
+        sizes = [v.shape[0] for v in verdicts]
+        values = torch.cat(verdicts).tolist()  # the step's one host read
+        now = device_time(self.model.device)
+        at = 0
+        for r, seg, first, size in zip(batch, segments, firsts, sizes):
+            verdict, at = values[at : at + size], at + size
+            rows = slice(first, first + seg.tokens.shape[0])
+            feats = None if features is None else features[rows]
+            if r.prefilled:
+                emitted = self.decoding.commit(r, verdict, feats)
+            else:  # the prefill's token; the decoding starts from it
+                r.prefilled, r.last, emitted = True, verdict[0], verdict
+                r.cache.length = len(r.seq.prompt_ids)
+                r.seq.stats.prefill_seconds = now - t0
+                r.decode_since = now
+                self.decoding.start(r, feats)
+            for token in emitted:
+                r.seq.append(token)
+                if r.seq.finished:
+                    break
+            r.last = emitted[-1]
+
+    def _settle(self, r: Running) -> None:
+        """A finished request's decode timing and its decoding's stats."""
+        stats = r.seq.stats
+        if r.prefilled:
+            stats.decode_seconds = device_time(self.model.device) - r.decode_since
+            stats.decode_tokens = max(len(r.seq.output_ids) - 1, 0)  # the first token came from the prefill
+            stats.speculative = self.decoding.stats(r, stats.decode_seconds)

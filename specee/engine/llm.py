@@ -21,8 +21,8 @@ from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from ..exit.config import EarlyExitConfig
 from .early_exit import EarlyExitDecoder
-from .engine import Engine
-from .full_depth import decode_full_depth
+from .engine import DEFAULT_MAX_NUM_SEQS, Engine
+from .exclusive import ExclusiveEngine
 from .sequence import RequestOutput, Sequence
 from .teacher import TeacherForcedStep
 
@@ -65,10 +65,10 @@ def default_cache_dir() -> Path:
 
 def merged_config(config: EarlyExitConfig, speculative_config: dict) -> EarlyExitConfig:
     """The early-exit config that drafts `num_speculative_tokens` per pass with its own drafter
-    (spec/config.py says which speculative_configs exits can serve)."""
+    (speculative/config.py says which speculative_configs exits can serve)."""
     from dataclasses import replace
 
-    from ..spec.config import SpeculativeConfig
+    from ..speculative.config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(speculative_config)
     spec.check_serves_exits(config.draft)
@@ -91,7 +91,8 @@ class LLM:
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                  early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
-                 quantization: str | None = None, speculative_config: dict | None = None):
+                 quantization: str | None = None, speculative_config: dict | None = None,
+                 kv_cache_memory: int | str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
         self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
         dev = torch.device(device)
         if quantization not in QUANTIZATIONS:
@@ -105,24 +106,33 @@ class LLM:
         self.eos_ids = load_eos_ids(self.model_dir, self.model, self.tokenizer)
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
-        self.engine = Engine(self._decode, batched=self._batches)
+        self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
         self.early_exit: EarlyExitDecoder | None = None
-        self.speculative = None
+        self.speculative = None  # speculative/decoding: SpeculativeDecoding, the engine's decoding
         if early_exit is not None:
             self.enable_early_exit(early_exit, speculative_config)
-        elif speculative_config is not None:
+        else:
             self.enable_speculative(speculative_config)
 
-    # ---- speculative decoding (specee.spec) -----------------------------------------------
+    def _new_engine(self) -> None:
+        """The engine for the configured mode: the batched engine core (full depth, speculative
+        decoding), or the early-exit modes' own engine (engine/exclusive.py)."""
+        if self.early_exit is not None:
+            self.engine = ExclusiveEngine(self._decode, self._batches, self.model.cfg.context_limit)
+        else:
+            self.engine = Engine(self.model, self.speculative, self.kv_cache_memory, self.max_num_seqs)
+
+    # ---- speculative decoding (specee.speculative) -----------------------------------------------
     def enable_speculative(self, config: dict | None) -> None:
-        """Draft-and-verify decoding with a vLLM-style speculative_config (see spec/config.py); None = off.
+        """Draft-and-verify decoding with a vLLM-style speculative_config (see speculative/config.py); None = off.
         With early exit on, its exits move into the verification passes."""
         if config is not None and self.early_exit is not None:
             self.enable_early_exit(self.early_exit.config, config)
             return
-        from ..spec.config import make_decoder
+        from ..speculative.config import make_decoder
 
         self.speculative = None if config is None else make_decoder(self, config)
+        self._new_engine()
 
     # ---- early exit ---------------------------------------------------------------------
     def make_drafter(self, draft: str | None, k: int) -> Drafter:
@@ -145,6 +155,8 @@ class LLM:
             bank = self.cached_bank(drafter, config.k)
         drafter.restrict_vocab(bank.draft_vocab)  # the shortlist the predictors were calibrated with
         self.early_exit = EarlyExitDecoder(self.model, drafter, bank, config)
+        self.speculative = None
+        self._new_engine()
 
     def bank_cache_path(self, drafter: Drafter, k: int) -> Path:
         """Where the bank for this target + drafter + k + dtype is cached; the suffix names the
@@ -192,7 +204,10 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        return [Sequence(p, self.encode(p, chat), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
+        seqs = [Sequence(p, self.encode(p, chat), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
+        for s in seqs:  # the synchronous API refuses, before any work, a request that cannot run
+            self.engine.check(s)
+        return seqs
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -218,6 +233,8 @@ class LLM:
                 self.engine.step()
                 if delta := seq.take_stream_delta():
                     yield delta
+            if delta := seq.take_stream_delta():  # another consumer's steps may have finished it
+                yield delta
         finally:
             self.engine.abort(seq)  # a closed stream stops decoding
         self.last_output = seq.output()
@@ -231,19 +248,16 @@ class LLM:
         return self.early_exit.teacher_forced(seq, continuation)
 
     def _batches(self) -> bool:
-        """Whether requests share passes: at full depth, and with lossy one-token early exit."""
-        return self.speculative is None and (self.early_exit is None or self.early_exit.batches)
+        """Whether early-exit requests share passes: lossy one-token exits do."""
+        return self.early_exit.batches
 
     def _decode(self, seqs: list[Sequence]) -> Iterator[None]:
-        """The decoder this LLM is configured with, stepped over `seqs`: at full depth a batch that
-        later requests join (engine/full_depth.py); with lossy one-token early exit one batch of
-        them; else (speculation, lossless mode) a generator over one request at a time."""
-        if self.early_exit is None and self.speculative is None:
-            return decode_full_depth(self.model, seqs)
-        if self.speculative is None and self.early_exit.batches:
+        """The early-exit decoder stepped over `seqs`: with lossy one-token early exit one batch of
+        them; else (lossless mode, exits inside verification) one request at a time."""
+        if self.early_exit.batches:
             return self.early_exit.steps(seqs)
 
         def one_at_a_time() -> Iterator[None]:
             for seq in seqs:  # `yield from`: closing this closes the request's steps
-                yield from (self.speculative.steps(seq) if self.speculative else self.early_exit.steps([seq]))
+                yield from self.early_exit.steps([seq])
         return one_at_a_time()

@@ -18,7 +18,7 @@ class RequestStats:
     decode_seconds: float = 0.0
     decode_tokens: int = 0  # tokens produced by decode steps (full depth: all but the prefill's one)
     early_exit: dict[str, Any] | None = None  # filled by the early-exit and lossless loops
-    speculative: dict[str, Any] | None = None  # filled by speculative decoding (specee.spec)
+    speculative: dict[str, Any] | None = None  # filled by speculative decoding (specee.speculative)
     # the request's life on the wall clock (time.monotonic()): a server's queue time and latencies
     arrival_time: float = 0.0
     scheduled_time: float | None = None  # admitted to the running batch

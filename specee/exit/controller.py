@@ -37,7 +37,7 @@ import torch
 
 from ..clock import StageTimer
 from ..model.llama import Transformer
-from ..spec.verify import accept_chain
+from ..speculative.verify import accept_chain
 from .bank import PredictorBank
 from .features import exit_features, spec_rows
 from .scheduler import TwoLevelScheduler

@@ -33,6 +33,18 @@ class KVCache:
         # through the mask; a lone row is filled from slot 0 unless its owner says otherwise
         self.padded = batch_size > 1
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor, filled: torch.Tensor, slot_ids: torch.Tensor) -> KVCache:
+        """A one-row cache over storage someone else owns (engine/kv_manager.py: a request's run of
+        pool blocks): k, v [layers, 1, kv_heads, len, D] views, filled [layers, 1, len]."""
+        cache = object.__new__(cls)
+        cache.k, cache.v, cache.filled = k, v, filled
+        cache.max_len = k.shape[3]
+        cache.length = 0
+        cache.slot_ids = slot_ids[: cache.max_len]
+        cache.padded = False
+        return cache
+
     def row_view(self, rows: slice) -> KVCache:
         """The same storage restricted to a contiguous range of rows: a step can run some rows of a
         batch (writes land in this cache). Padded, since the other rows set the slot range."""

@@ -56,6 +56,20 @@ class StepInputs:
     chain: bool = False
 
 
+@dataclass
+class RaggedInputs:
+    """Every layer's inputs for the rows of several sequences in one forward (a ragged batch),
+    computed once per step: RoPE rows and cache slots of all rows concatenated, and per sequence
+    (segment) its row count, its own cache and its attention description (a StepInputs)."""
+
+    cos: torch.Tensor  # [1, N, 1, D]
+    sin: torch.Tensor
+    slots: torch.Tensor  # [N]: each row's slot in its own segment's cache
+    rows: list[int]
+    caches: list[KVCache]
+    steps: list[StepInputs]
+
+
 class Transformer:
     fast_layers: list | None = None  # the C++ layers for batch 1 (see fast_layers_for), or None
     _no_mask = torch.empty(0, dtype=torch.bool)
@@ -219,6 +233,37 @@ class Transformer:
         v_cache.index_copy_(2, step.slots, v)
         attn = self.attention(q, k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len], step)
         h = h + w.o(attn.transpose(1, 2).reshape(B, S, cfg.num_heads * D))
+        x = F.rms_norm(h, (cfg.hidden_size,), w.mlp_norm, cfg.rms_norm_eps)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return h + w.down(F.silu(gate) * up)
+
+    def ragged_layer(self, i: int, h: torch.Tensor, batch: RaggedInputs) -> torch.Tensor:
+        """Decoder layer i on the rows h [1, N, H] of several sequences: the products run once over all
+        rows, attention per sequence over its own cache (what the sequence would compute alone)."""
+        if self.fast_layers is not None:
+            return self.fast_layers[i].ragged(
+                h, batch.cos, batch.sin, batch.slots, [c.k[i] for c in batch.caches], [c.v[i] for c in batch.caches],
+                batch.rows, [s.kv_len for s in batch.steps],
+                [self._no_mask if s.mask is None else s.mask for s in batch.steps],
+                [s.causal for s in batch.steps], [s.chain for s in batch.steps])
+        cfg, w = self.cfg, self.layers[i]
+        N, D = h.shape[1], cfg.head_dim
+        x = F.rms_norm(h, (cfg.hidden_size,), w.attn_norm, cfg.rms_norm_eps)
+        qkv = w.qkv(x).view(1, N, cfg.num_heads + 2 * cfg.num_kv_heads, D)
+        qk = apply_rope(qkv[:, :, : cfg.num_heads + cfg.num_kv_heads], batch.cos, batch.sin)
+        outs, first = [], 0
+        for n, cache, step in zip(batch.rows, batch.caches, batch.steps):
+            rows = slice(first, first + n)
+            q = qk[:, rows, : cfg.num_heads].transpose(1, 2)
+            k = qk[:, rows, cfg.num_heads :].transpose(1, 2)
+            v = qkv[:, rows, cfg.num_heads + cfg.num_kv_heads :].transpose(1, 2)
+            k_cache, v_cache = cache.k[i], cache.v[i]
+            k_cache.index_copy_(2, step.slots, k)
+            v_cache.index_copy_(2, step.slots, v)
+            outs.append(self.attention(q, k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len], step))
+            first += n
+        attn = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        h = h + w.o(attn.transpose(1, 2).reshape(1, N, cfg.num_heads * D))
         x = F.rms_norm(h, (cfg.hidden_size,), w.mlp_norm, cfg.rms_norm_eps)
         gate, up = w.gate_up(x).chunk(2, dim=-1)
         return h + w.down(F.silu(gate) * up)

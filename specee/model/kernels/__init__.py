@@ -20,7 +20,7 @@ from types import ModuleType
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "decode_layer.cpp", HERE / "int4_matmul.cpp"]
-NAME = "specee_cpu_kernels_v4"  # a new name for a changed ABI: torch rebuilds on source changes anyway
+NAME = "specee_cpu_kernels_v5"  # a new name for a changed ABI: torch rebuilds on source changes anyway
 
 
 def cpu_kernels() -> ModuleType | None:

@@ -72,9 +72,22 @@ class DecodeLayer {
   at::Tensor forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                      at::Tensor v_cache, const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                      bool causal, bool chain) const {
+    return forward_ragged(h, cos, sin, slots, {k_cache}, {v_cache}, {h.size(1)}, {kv_len}, {mask}, {causal}, {chain});
+  }
+
+  // The rows of several sequences in one call (a ragged batch): segment g is the next rows[g] rows
+  // of h, writing and reading its own cache k[g], v[g] (views into one pool: any strides along heads
+  // and slots) under its own attention description. The products run once over all rows (a row's
+  // result does not depend on the others in the int4 kernel); attention runs per segment, exactly the
+  // call that segment would make alone, so batching leaves every row's numbers unchanged.
+  at::Tensor forward_ragged(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                            const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                            const std::vector<int64_t>& rows, const std::vector<int64_t>& kv_lens,
+                            const std::vector<at::Tensor>& masks, const std::vector<bool>& causal,
+                            const std::vector<bool>& chain) const {
     const int64_t S = h.size(1), H = h.size(2), D = head_dim_, NH = heads_, NKV = kv_heads_;
     const at::Tensor hc = h.contiguous(), c = cos.contiguous(), sn = sin.contiguous(), sl = slots.contiguous();
-    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && c.numel() == S * D && sl.numel() == S,
+    TORCH_CHECK(c.numel() == S * D && sl.numel() == S && k.size() == rows.size() && v.size() == rows.size(),
                 "DecodeLayer: inputs");
     const int64_t* slot = sl.data_ptr<int64_t>();
     const float* cs = c.data_ptr<float>();
@@ -83,22 +96,35 @@ class DecodeLayer {
     for (int64_t r = 0; r < S; ++r)
       rms_norm(hc.data_ptr<float>() + r * H, attn_norm_.data_ptr<float>(), x.data_ptr<float>() + r * H, H, eps_);
     const at::Tensor qkv = lin_[0](x);  // [S, (NH + 2 NKV) D]
-    at::Tensor q = at::empty({1, NH, S, D}, h.options());
-    float* qo = q.data_ptr<float>();
-    float* K = k_cache.data_ptr<float>();
-    float* V = v_cache.data_ptr<float>();
-    const int64_t len = k_cache.size(2), W = (NH + 2 * NKV) * D;
-    for (int64_t r = 0; r < S; ++r) {
-      TORCH_CHECK(slot[r] < len, "DecodeLayer: slot past the cache");
-      const float* row = qkv.data_ptr<float>() + r * W;
-      for (int64_t i = 0; i < NH; ++i) rope(row + i * D, cs + r * D, sg + r * D, qo + (i * S + r) * D, D);
-      for (int64_t j = 0; j < NKV; ++j) {
-        rope(row + (NH + j) * D, cs + r * D, sg + r * D, K + (j * len + slot[r]) * D, D);
-        std::copy(row + (NH + NKV + j) * D, row + (NH + NKV + j + 1) * D, V + (j * len + slot[r]) * D);
+    const int64_t W = (NH + 2 * NKV) * D;
+    at::Tensor attn = at::empty({S, NH * D}, h.options());
+    int64_t first = 0;
+    for (size_t g = 0; g < rows.size(); ++g) {
+      const int64_t n = rows[g];
+      const at::Tensor &kc = k[g], &vc = v[g];
+      TORCH_CHECK(kc.stride(3) == 1 && kc.stride(2) == D && vc.stride(3) == 1 && vc.stride(2) == D,
+                  "DecodeLayer: cache rows must be contiguous per head");
+      const int64_t len = kc.size(2), ks = kc.stride(1), vs = vc.stride(1);
+      float* K = kc.data_ptr<float>();
+      float* V = vc.data_ptr<float>();
+      at::Tensor q = at::empty({1, NH, n, D}, h.options());
+      float* qo = q.data_ptr<float>();
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = first + i;
+        TORCH_CHECK(slot[r] < len, "DecodeLayer: slot past the cache");
+        const float* row = qkv.data_ptr<float>() + r * W;
+        for (int64_t j = 0; j < NH; ++j) rope(row + j * D, cs + r * D, sg + r * D, qo + (j * n + i) * D, D);
+        for (int64_t j = 0; j < NKV; ++j) {
+          rope(row + (NH + j) * D, cs + r * D, sg + r * D, K + j * ks + slot[r] * D, D);
+          std::copy(row + (NH + NKV + j) * D, row + (NH + NKV + j + 1) * D, V + j * vs + slot[r] * D);
+        }
       }
+      const at::Tensor out = attention(q, kc, vc, slot + first, kv_lens[g], masks[g], causal[g], chain[g]);
+      attn.narrow(0, first, n).copy_(out.transpose(1, 2).reshape({n, NH * D}));
+      first += n;
     }
-    const at::Tensor attn = attention(q, k_cache, v_cache, slot, kv_len, mask, causal, chain);
-    at::Tensor out = hc.view({S, H}) + lin_[1](attn.transpose(1, 2).reshape({S, NH * D}));
+    TORCH_CHECK(first == S, "DecodeLayer: segment rows do not add up to the rows given");
+    at::Tensor out = hc.view({S, H}) + lin_[1](attn);
     for (int64_t r = 0; r < S; ++r)
       rms_norm(out.data_ptr<float>() + r * H, mlp_norm_.data_ptr<float>(), x.data_ptr<float>() + r * H, H, eps_);
     const at::Tensor gu = lin_[2](x);  // [S, 2 I]
@@ -147,7 +173,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
       .def(pybind11::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
-      .def("__call__", &DecodeLayer::forward);
+      .def("__call__", &DecodeLayer::forward)
+      .def("ragged", &DecodeLayer::forward_ragged);
   m.def("int4_supported", &int4_supported);
   m.def("int4_mm", &int4_mm);
 }

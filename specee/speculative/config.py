@@ -129,10 +129,10 @@ class SpeculativeConfig:
 
 
 def make_decoder(llm, config: SpeculativeConfig | dict[str, Any]):
-    """The SpeculativeDecoder for `llm` (an engine.llm.LLM) and this config."""
+    """The SpeculativeDecoding (an engine decoding) for `llm` (an engine.llm.LLM) and this config."""
     from ..drafters.draft_model import DraftModelDrafter
     from ..drafters.ngram import NGramDrafter
-    from .speculative import SpeculativeDecoder
+    from .speculative import SpeculativeDecoding
 
     config = SpeculativeConfig.parse(config)
     model = llm.model
@@ -148,4 +148,4 @@ def make_decoder(llm, config: SpeculativeConfig | dict[str, Any]):
 
         head = EagleHead.load(config.model, model, llm.fingerprint, config.draft_quantization(llm.quantization))
         drafter = EagleDrafter(head)
-    return SpeculativeDecoder(model, drafter, config.num_speculative_tokens, config.tree, config.method)
+    return SpeculativeDecoding(model, drafter, config.num_speculative_tokens, config.tree, config.method)

@@ -1,0 +1,45 @@
+"""How a running request decodes: the rows it adds to a step and how its tokens are chosen.
+
+A decoding is a plan (the rows of a request's segment) plus an acceptance rule (the tokens those
+rows' logits give) plus a commit (what the cache and the request keep). The engine does the rest
+the same way for every decoding: prefill, one forward over every request's rows, one host read
+of all verdicts, stop checks. `FullDepth` is the plain one (one row, its sampled token);
+speculative decoding (speculative/decoding.py) plans a draft chain or tree.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.llama import Transformer
+from ..sampling import sample
+from .runner import Segment
+from .scheduler import Running
+
+
+class FullDepth:
+    """Full-depth decoding: each step writes the last token's K/V and samples the next token."""
+
+    feature_layers: tuple[int, ...] = ()  # target layers a drafter reads (EAGLE)
+    extra_rows = 0  # cache slots a step may write beyond prompt + max_tokens
+
+    def __init__(self, model: Transformer):
+        self.model = model
+
+    def start(self, r: Running, features: torch.Tensor | None) -> None:
+        """The request's prefill gave its first token (`r.last`); features: the prompt rows' features."""
+
+    def plan(self, r: Running) -> Segment:
+        n = r.cache.length
+        return Segment(torch.tensor([r.last], device=self.model.device), r.cache, self.model.range_inputs(n, 1))
+
+    def choose(self, r: Running, logits: torch.Tensor) -> torch.Tensor:
+        """The request's verdict on the device from its rows' logits: here [t], the next token."""
+        return sample(logits, r.seq.params, r.generator)
+
+    def commit(self, r: Running, verdict: list[int], features: torch.Tensor | None) -> list[int]:
+        """Keep what the verdict says in the cache; returns the tokens the request emits."""
+        r.cache.length += 1
+        return verdict
+
+    def stats(self, r: Running, decode_seconds: float) -> dict | None:
+        return None

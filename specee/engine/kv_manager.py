@@ -1,0 +1,116 @@
+"""The KV-cache manager: it owns all cache memory, one preallocated pool of fixed-size blocks.
+
+A request is admitted with a run of consecutive blocks big enough for everything it can write
+(prompt + max_tokens + the draft rows of one verification pass), and keeps it until it finishes.
+So requests join and leave without copying anyone's rows, rollback after a rejected draft is a
+length change (`KVCache.length`), the per-layer fill state of layers that early exit skipped
+lives in the pool beside the K/V, and a request never runs out of room mid-decode (no preemption).
+
+Why consecutive blocks rather than vLLM's scattered blocks with a block table: a request's cache
+is then a strided view of the pool, which attention on the CPU reads in place (scaled dot-product
+attention and the C++ layer take the view; a block table would need a gather, or a paged attention
+kernel, per layer and step). The cost is fragmentation: a request may wait although enough blocks
+are free, only not together; they come together as neighbours leave (freed runs merge).
+"""
+from __future__ import annotations
+
+import bisect
+import re
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.kv_cache import KVCache
+
+BLOCK_SIZE = 16
+DEFAULT_KV_MEMORY = 1 << 30  # bytes, unless the context needs more (one full-context request always fits)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The pool's size in tokens from `--kv-cache-memory`: None (the default), a token count (int),
+    or bytes as a string with a unit ("512MiB", "2GB", "1.5GiB")."""
+    per_token = kv_bytes_per_token(cfg, dtype)
+    if value is None:
+        return max(cfg.context_limit, DEFAULT_KV_MEMORY // per_token)
+    if isinstance(value, int) and not isinstance(value, bool):
+        tokens = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", value, re.IGNORECASE)
+        if not m:
+            raise ValueError(f"kv_cache_memory (--kv-cache-memory): {value!r} is not a size like 512MiB or 2GB")
+        unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I") or "B"
+        scale = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+        tokens = int(float(m.group(1)) * scale) // per_token
+    else:
+        raise TypeError(f"kv_cache_memory (--kv-cache-memory) must be a token count or a size string, got {value!r}")
+    if tokens < 1:
+        raise ValueError(f"kv_cache_memory (--kv-cache-memory) holds no token ({per_token} bytes per token for "
+                         f"this model)")
+    return tokens
+
+
+class KVCacheManager:
+    """A pool of `num_blocks` blocks of BLOCK_SIZE slots for every layer; `allocate` hands out runs
+    of consecutive blocks as one-row KVCache views, `free` takes them back (first fit, merged)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_tokens: int):
+        self.num_blocks = max(1, self.blocks_for(max_tokens))
+        slots = self.num_blocks * BLOCK_SIZE
+        shape = (cfg.num_layers, 1, cfg.num_kv_heads, slots, cfg.head_dim)
+        # uninitialised (untouched memory costs nothing): `allocate` zeroes a run before handing it out
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.filled = torch.zeros(cfg.num_layers, 1, slots, dtype=torch.bool, device=device)
+        self.slot_ids = torch.arange(slots, device=device)
+        self.free_runs: list[tuple[int, int]] = [(0, self.num_blocks)]  # (first block, blocks), by first block
+        self.owned: dict[str, tuple[int, int]] = {}  # request id -> its run
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.num_blocks * BLOCK_SIZE
+
+    @property
+    def free_blocks(self) -> int:
+        return sum(n for _, n in self.free_runs)
+
+    @staticmethod
+    def blocks_for(tokens: int) -> int:
+        return -(-tokens // BLOCK_SIZE)
+
+    def allocate(self, owner: str, tokens: int) -> KVCache | None:
+        """A cache of at least `tokens` slots for request `owner`, or None while no run of free
+        blocks is long enough (the request waits)."""
+        need = self.blocks_for(tokens)
+        for i, (first, n) in enumerate(self.free_runs):
+            if n >= need:
+                if n == need:
+                    del self.free_runs[i]
+                else:
+                    self.free_runs[i] = (first + need, n - need)
+                self.owned[owner] = (first, need)
+                lo, hi = first * BLOCK_SIZE, (first + need) * BLOCK_SIZE
+                # zeros, never garbage: a masked (unfilled) slot still enters attention's products, weighted 0
+                self.k[:, :, :, lo:hi] = 0
+                self.v[:, :, :, lo:hi] = 0
+                self.filled[:, :, lo:hi] = False
+                return KVCache.over(self.k[:, :, :, lo:hi], self.v[:, :, :, lo:hi], self.filled[:, :, lo:hi],
+                                    self.slot_ids)
+        return None
+
+    def free(self, owner: str) -> None:
+        """Return `owner`'s run to the pool, merged with free neighbours (a no-op if it has none)."""
+        run = self.owned.pop(owner, None)
+        if run is None:
+            return
+        i = bisect.bisect(self.free_runs, run)
+        self.free_runs.insert(i, run)
+        if i + 1 < len(self.free_runs) and run[0] + run[1] == self.free_runs[i + 1][0]:
+            self.free_runs[i] = (run[0], run[1] + self.free_runs.pop(i + 1)[1])
+        if i > 0 and self.free_runs[i - 1][0] + self.free_runs[i - 1][1] == self.free_runs[i][0]:
+            prev = self.free_runs.pop(i - 1)
+            self.free_runs[i - 1] = (prev[0], prev[1] + self.free_runs[i - 1][1])

@@ -1,0 +1,161 @@
+"""Draft-and-verify speculative decoding as a decoding of the engine (engine/decoding.py).
+
+Per request and step, top to bottom:
+  1. plan: the request's drafter proposes a chain d_1..d_k (or grows an EAGLE-2 tree) after its
+     last emitted token x_n, whose K/V the target has not written yet; the request's segment of the
+     step's forward is [x_n, d_1..d_k] (each row reading its own prefix), or the tree rows under
+     the tree's mask;
+  2. choose: from the rows' logits, the longest prefix of drafts the target agrees with plus the
+     target's own next token (verify.py); the engine reads every request's verdict in one host read;
+  3. commit: roll back = the cache keeps x_n and the accepted drafts (a length change; a tree's
+     accepted path is moved to consecutive slots of the request's own cache), and the drafter
+     consumes the emitted tokens.
+Requests speculate side by side in one batch, each with a drafter of its own (`Drafter.fork`).
+Greedy output equals full-depth greedy; sampled output has the target's distribution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..clock import device_time
+from ..drafters.base import Draft, Drafter
+from ..engine.decoding import FullDepth
+from ..engine.runner import Segment
+from ..engine.scheduler import Running
+from ..engine.sequence import Sequence
+from ..model.llama import Transformer
+from ..sampling import sample
+from .tree import Tree, TreeGrower, TreeShape, compact, tree_inputs
+from .verify import accept_tree, verify_chain
+
+
+@dataclass
+class SpecStats:
+    """vLLM's speculative-decoding metrics: drafts (steps that drafted), draft tokens, accepted
+    tokens, mean acceptance length (tokens per target pass = 1 + accepted / drafts), acceptance
+    rate per draft position."""
+
+    positions: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    target_passes: int = 0
+    draft_seconds: float = 0.0
+    accepted_at: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.accepted_at = [0] * self.positions
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.target_passes += 1
+        if drafted:
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            for j in range(accepted):
+                self.accepted_at[j] += 1
+
+    def as_dict(self, decode_seconds: float) -> dict:
+        d = max(self.drafts, 1)
+        return {
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "target_passes": self.target_passes,
+            "mean_accepted_length": round(1 + self.accepted_tokens / d, 4),
+            "acceptance_rate": round(self.accepted_tokens / max(self.draft_tokens, 1), 4),
+            "acceptance_rate_per_position": [round(a / d, 4) for a in self.accepted_at],
+            "draft_time_share": round(self.draft_seconds / decode_seconds, 4) if decode_seconds > 0 else 0.0,
+        }
+
+
+@dataclass
+class SpecState:
+    """A request's speculation: its drafter, this step's draft (or tree), its counts."""
+
+    drafter: Drafter
+    stats: SpecStats
+    draft: Draft | None = None
+    tree: Tree | None = None
+    start: int = 0  # the slot of x_n in this step
+
+
+class SpeculativeDecoding(FullDepth):
+    """Chains of `num_tokens` drafts, or trees of `tree`, from forks of `drafter`."""
+
+    def __init__(self, model: Transformer, drafter: Drafter, num_tokens: int, tree: TreeShape | None = None,
+                 method: str = ""):
+        super().__init__(model)
+        self.drafter, self.num_tokens, self.method = drafter, num_tokens, method
+        self.grower = None if tree is None else TreeGrower(tree, model.device)
+        self.extra_rows = num_tokens + 1 if tree is None else tree.size + 1
+        self.feature_layers = drafter.feature_layers
+        self.width = model.cfg.vocab_size
+
+    def generate(self, seq: Sequence) -> dict:
+        """Decode one request to completion on an engine of its own (tests, benchmarks); returns its
+        speculation stats."""
+        from ..engine.engine import Engine
+
+        engine = Engine(self.model, self, kv_cache_memory=len(seq.prompt_ids) + seq.params.max_tokens + self.extra_rows)
+        engine.add_request(seq)
+        while engine.has_unfinished():
+            engine.step()
+        if seq.error:
+            raise ValueError(seq.error)
+        return seq.stats.speculative
+
+    def start(self, r: Running, features: torch.Tensor | None) -> None:
+        drafter = self.drafter.fork()
+        drafter.begin(r.seq.prompt_ids + [r.last], None if features is None else features[None])
+        r.state = SpecState(drafter, SpecStats(self.num_tokens if self.grower is None else self.grower.shape.depth))
+
+    def plan(self, r: Running) -> Segment:
+        st, params, model = r.state, r.seq.params, self.model
+        st.start = n = r.cache.length
+        room = params.max_tokens - len(r.seq.output_ids) - 1  # drafts beyond this could not be emitted
+        t0 = device_time(model.device)
+        last = torch.tensor([r.last], device=model.device)
+        st.tree = st.draft = None
+        if self.grower is not None and room >= self.grower.shape.depth:
+            st.tree = self.grower.grow(last, st.drafter)
+        if st.tree is None:
+            st.draft = st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width)
+        st.stats.draft_seconds += device_time(model.device) - t0
+        if st.tree is not None:
+            return Segment(st.tree.tokens, r.cache, tree_inputs(model, st.tree, n))
+        return Segment(torch.cat([last, st.draft.tokens]), r.cache, model.range_inputs(n, st.draft.tokens.shape[0] + 1))
+
+    def choose(self, r: Running, logits: torch.Tensor) -> torch.Tensor:
+        st = r.state
+        if st.tree is not None:  # [a, path (D + 1), tokens (D + 1)]
+            return accept_tree(st.tree, sample(logits, r.seq.params, r.generator))
+        return verify_chain(st.draft.tokens, st.draft.probs, logits, r.seq.params, r.generator)  # [a, t_0..t_k]
+
+    def commit(self, r: Running, verdict: list[int], features: torch.Tensor | None) -> list[int]:
+        st, n = r.state, r.state.start
+        accepted = verdict[0]
+        if st.tree is not None:
+            D = st.tree.depth
+            path = verdict[1 : 2 + accepted]  # tree rows of x_n and the accepted nodes
+            compact(r.cache, n, torch.tensor(path, device=self.model.device))
+            emitted, drafted = verdict[2 + D :][: accepted + 1], D
+            if features is not None:
+                features = features[path]
+        else:
+            r.cache.length = n + accepted + 1  # keep x_n and the accepted drafts; later slots are overwritten
+            emitted, drafted = verdict[1 : 2 + accepted], st.draft.tokens.shape[0]
+            if features is not None:
+                features = features[: accepted + 1]
+        st.stats.record(drafted, accepted)
+        st.drafter.commit(emitted, accepted, None if features is None else features[None])
+        return emitted
+
+    def stats(self, r: Running, decode_seconds: float) -> dict | None:
+        if r.state is None:
+            return None
+        return {"method": self.method, "num_speculative_tokens": self.num_tokens,
+                "tree": None if self.grower is None else vars(self.grower.shape),
+                **r.state.stats.as_dict(decode_seconds)}
