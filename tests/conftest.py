@@ -114,3 +114,17 @@ def greedy_with_margins(model, prompt: list[int], steps: int) -> tuple[list[int]
             n = len(ids) - 1
             h = model.forward(torch.tensor([[ids[-1]]]), model.range_inputs(n, 1), cache)
     return ids[len(prompt):], logits
+
+
+SMOLLM2_GGUF = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def gguf_smollm2():
+    """SmolLM2-135M-Instruct on the default path (quantization "auto": its 4-bit blocks, the C++ layer),
+    loaded once per session; skips when the file is absent."""
+    from specee import LLM
+
+    if not SMOLLM2_GGUF.exists():
+        pytest.skip(f"SmolLM2 GGUF not available: {SMOLLM2_GGUF} is absent")
+    return LLM(SMOLLM2_GGUF, quantization="auto")

@@ -102,9 +102,10 @@ def test_greedy_decoding_through_the_cpp_layer(mode):
         torch.testing.assert_close(got_logits[i], want_logits[i], rtol=0.02, atol=0.05)
 
 
-def test_the_cpp_layer_serves_one_request_of_a_quantized_cpu_model(tmp_path, monkeypatch):
+def test_the_cpp_layer_serves_every_request_of_a_quantized_cpu_model(tmp_path, monkeypatch):
     """Float models keep the Python layer (the reference), as does SPECEE_CPU_KERNELS=0; a quantized
-    model runs one request's prefill and decode steps through it, a batch of several in Python."""
+    model runs every step through it, one ragged call per layer whatever the batch holds, and a
+    batch gives each request its tokens decoded alone."""
     from specee import LLM, SamplingParams
 
     path = make_checkpoint(tmp_path / "m", variant("llama3"), seed=1)
@@ -116,13 +117,25 @@ def test_the_cpp_layer_serves_one_request_of_a_quantized_cpu_model(tmp_path, mon
     if llm.model.fast_layers is None:
         pytest.skip("the C++ decode layer could not be built here (no compiler)")
     calls = []
-    llm.model.fast_layers = [(lambda f: lambda *a: calls.append(1) or f(*a))(f) for f in llm.model.fast_layers]
+
+    class Counted:
+        def __init__(self, layer):
+            self.layer = layer
+
+        def ragged(self, *a):
+            calls.append(len(a[6]))  # the segments (requests) of the call
+            return self.layer.ragged(*a)
+
+    real = llm.model.fast_layers
     L, params = llm.model.cfg.num_layers, SamplingParams(max_tokens=6, ignore_eos=True)
-    llm.generate([5, 6, 7], params)
-    assert len(calls) == 6 * L  # the prefill and the decode steps after its token
+    alone = [llm.generate(p, params)[0].token_ids for p in ([5, 6, 7], [8, 9])]
+    llm.model.fast_layers = [Counted(f) for f in real]
+    assert llm.generate([5, 6, 7], params)[0].token_ids == alone[0]
+    assert calls == [1] * 6 * L  # the prefill and the decode steps after its token
     calls.clear()
-    llm.generate([[5, 6, 7], [8, 9]], params)  # a batch: the Python layer
-    assert not calls
+    assert [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)] == alone  # a batch: the C++ layer too
+    assert calls == [2] * 6 * L
+    llm.model.fast_layers = real
 
 
 @pytest.mark.parametrize("rows", [2, 4])

@@ -294,8 +294,7 @@ def test_early_exit_runs_on_its_own_engine_and_gives_full_depths_tokens(llm, mod
     """Lossy one-token exits share passes; lossless mode takes requests in turn. With predictors that
     never fire, both give full depth's tokens; a request that cannot run ends with an error there too."""
     full = llm.generate(["one", "two"], SamplingParams(max_tokens=3, ignore_eos=True))
-    llm.early_exit = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size), mode=mode)
-    llm._new_engine()
+    llm.early_exit = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size), mode=mode)  # its own engine
     batches = []
     real = llm.engine.decode
     llm.engine.decode = lambda seqs: batches.append([s.prompt for s in seqs]) or real(seqs)
@@ -306,6 +305,5 @@ def test_early_exit_runs_on_its_own_engine_and_gives_full_depths_tokens(llm, mod
         assert llm.engine.step() == [bad] and bad.finish_reason == "error"
     finally:
         llm.early_exit = None
-        llm._new_engine()
     assert batches == ([["one", "two"]] if mode == "lossy" else [["one"], ["two"]])
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]

@@ -161,21 +161,27 @@ def test_lossless_sampling_preserves_the_joint_distribution_of_two_positions(tin
 
 
 def test_requests_with_different_sampling_parameters_share_a_batch(tiny, monkeypatch):
-    import specee.engine.llm as llm_module
+    from specee.engine.runner import ModelRunner
 
     batches = []
-    real = llm_module.decode_full_depth
-    monkeypatch.setattr(llm_module, "decode_full_depth", lambda model, seqs: batches.append(len(seqs)) or real(model, seqs))
+    real = ModelRunner.forward
+
+    def spy(self, segments, *a):
+        if not batches or len(segments) != batches[-1]:
+            batches.append(len(segments))
+        return real(self, segments, *a)
+
+    monkeypatch.setattr(ModelRunner, "forward", spy)
     prompts = ["Once upon a time", "The cat sat on", "A little bird said"]
     params = [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 3)]
     together = [o.token_ids for o in tiny.generate(prompts, params)]
-    assert batches == [3]
+    assert batches == [3]  # every step ran the three requests together
     alone = [tiny.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
     assert together == alone
     batches.clear()
     mixed = [params[0], dataclasses.replace(params[1], temperature=0.5, top_k=4), SamplingParams(max_tokens=6)]
     together = [o.token_ids for o in tiny.generate(prompts, mixed)]
-    assert batches == [3]
+    assert batches == [3, 2]  # the one with max_tokens 6 left first
     assert together == [tiny.generate(p, sp)[0].token_ids for p, sp in zip(prompts, mixed)]
 
 

@@ -296,3 +296,27 @@ def test_lossless_sampling_in_passes_keeps_the_models_joint_distribution(tiny):
     assert set(counts) <= set(joint)
     tv = 0.5 * sum(abs(counts[k] / n - v) for k, v in joint.items())
     assert tv < 0.07, f"TV(empirical, joint) = {tv:.3f}"  # sampling noise over <= 8 triples ~0.035
+
+
+DEEP_INT4 = Variant("deep6q", "llama", dict(num_hidden_layers=6, num_key_value_heads=2), vocab_padding=8)
+
+
+@pytest.mark.parametrize("policy", ["skip", "propagate", "recompute"])
+def test_exits_in_passes_on_the_quantized_cpp_layer_equal_the_python_layer(tmp_path_factory, policy):
+    """Exits inside chain passes on the default CPU path (int4, the C++ layer) give the Python layer's
+    tokens with every KV policy: skip's holes must reach the C++ layer as a mask (it used to take
+    the chain's shortcut and read the holes: 8 of 48 tokens agreed)."""
+    llm = LLM(make_checkpoint(tmp_path_factory.mktemp("q") / "m", DEEP_INT4, seed=11), dtype="float32",
+              quantization="int4")
+    fast = llm.model.fast_layers
+    assert fast is not None
+    ids = llm.encode("Once upon a time there was a little girl who")
+    outs = []
+    for layers in (fast, None):
+        llm.model.fast_layers = layers
+        dec = decoder(llm, LookupAllTokens(llm.model.cfg.vocab_size), kv_policy=policy, max_pending=64,
+                      num_draft_tokens=3)
+        seq, _ = generate(llm, dec, ids, 48, forced(dec, random_forcing(seed=1, rate=0.3)))
+        assert seq.stats.speculative["drafts"] >= 5 and sum(seq.stats.early_exit["exit_histogram"][:-1]) >= 10
+        outs.append(seq.output_ids)
+    assert outs[0] == outs[1]

@@ -107,12 +107,31 @@ class LLM:
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
         self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
-        self.early_exit: EarlyExitDecoder | None = None
-        self.speculative = None  # speculative/decoding: SpeculativeDecoding, the engine's decoding
+        self._early_exit: EarlyExitDecoder | None = None
+        self._speculative = None  # a SpeculativeDecoding (speculative/speculative.py), the engine's decoding
         if early_exit is not None:
             self.enable_early_exit(early_exit, speculative_config)
         else:
             self.enable_speculative(speculative_config)
+
+    @property
+    def early_exit(self) -> EarlyExitDecoder | None:
+        return self._early_exit
+
+    @early_exit.setter
+    def early_exit(self, decoder: EarlyExitDecoder | None) -> None:
+        """Switch early exit (benchmarks and tests switch modes on one loaded model): a new engine."""
+        self._early_exit = decoder
+        self._new_engine()
+
+    @property
+    def speculative(self):
+        return self._speculative
+
+    @speculative.setter
+    def speculative(self, decoding) -> None:
+        self._speculative = decoding
+        self._new_engine()
 
     def _new_engine(self) -> None:
         """The engine for the configured mode: the batched engine core (full depth, speculative
@@ -132,7 +151,6 @@ class LLM:
         from ..speculative.config import make_decoder
 
         self.speculative = None if config is None else make_decoder(self, config)
-        self._new_engine()
 
     # ---- early exit ---------------------------------------------------------------------
     def make_drafter(self, draft: str | None, k: int) -> Drafter:
@@ -154,9 +172,8 @@ class LLM:
         else:
             bank = self.cached_bank(drafter, config.k)
         drafter.restrict_vocab(bank.draft_vocab)  # the shortlist the predictors were calibrated with
+        self._speculative = None
         self.early_exit = EarlyExitDecoder(self.model, drafter, bank, config)
-        self.speculative = None
-        self._new_engine()
 
     def bank_cache_path(self, drafter: Drafter, k: int) -> Path:
         """Where the bank for this target + drafter + k + dtype is cached; the suffix names the

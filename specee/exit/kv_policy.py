@@ -18,7 +18,7 @@ so a hook acts on a slot of every request.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -81,11 +81,13 @@ class SkipKV(KVPolicy):
         return []
 
     def layer_inputs(self, layer: int, step_in: StepInputs, n: int) -> StepInputs:
+        """The rows read through the layer's holes: a mask, never a chain's or a causal prefix's
+        shortcut (which would read every slot up to the row's own, holes included)."""
         if step_in.slots.shape[0] == 1:  # one row: the slots this layer holds, no causal part
-            step_in.mask = self.cache.filled[layer, :, None, None, : n + 1]
+            mask = self.cache.filled[layer, :, None, None, : n + 1]
         else:
-            step_in.mask = self.cache.attention_mask(layer, step_in.slots, step_in.kv_len)
-        return step_in
+            mask = self.cache.attention_mask(layer, step_in.slots, step_in.kv_len)
+        return replace(step_in, mask=mask, chain=False, causal=False)
 
     def after_exit(self, e: int, h: torch.Tensor, active: list[int]) -> None:
         self.cache.filled[e + 1:, :, active[0]:active[-1] + 1] = False
