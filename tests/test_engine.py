@@ -96,8 +96,8 @@ PROMPTS = ["one", "The quick brown fox jumps over the lazy dog while the cat sle
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_mode_batches_mixed_requests_as_each_decodes_alone(mode_llms, mode):
     """Requests of different lengths, parameters and max_tokens join and leave a running batch, one is
-    aborted: each greedy request gets exactly the tokens it gets decoded alone, and so does a seeded
-    sampled one; the greedy tokens are full depth's (speculation is lossless)."""
+    aborted: each greedy request gets exactly the tokens it gets decoded alone (at full depth a seeded
+    sampled one too), and those are full depth's (speculation is lossless)."""
     llm, full = mode_llms[mode], mode_llms["full"]
     greedy = SamplingParams(ignore_eos=True, max_tokens=10)
     seqs = [sequence(llm, PROMPTS[0], greedy),
@@ -108,7 +108,9 @@ def test_every_mode_batches_mixed_requests_as_each_decodes_alone(mode_llms, mode
     aborted = sequence(llm, PROMPTS[2], dataclasses.replace(greedy, max_tokens=30))
     drive(llm, {0: [seqs[0], aborted], 2: [seqs[1]], 3: [seqs[2], seqs[3]], 4: [seqs[4]]}, aborts={3: [aborted]})
     assert aborted.finish_reason == "abort" and 1 <= len(aborted.output_ids) < 30
-    for s in seqs:
+    # a seeded sampled request draws the same tokens in any batch at full depth; under speculation
+    # its draws depend on how many drafts each step verified (the gate decides per batch size)
+    for s in seqs if mode == "full" else seqs[:4]:
         assert (s.output_ids, s.text, s.finish_reason) == solo(llm, s), s.prompt
     for s in seqs[:4]:
         assert s.output_ids == solo(full, s)[0], s.prompt

@@ -466,3 +466,20 @@ def test_greedy_speculation_on_quantized_weights(ref, mode):
                 i = differ[0]
                 margin = float(logits[i][expected[i]] - logits[i][got[i]])
                 assert margin <= 2 ** -7 * abs(float(logits[i][expected[i]])), (drafter.name, i, margin)
+
+
+def test_the_gate_plays_the_faster_arm_per_batch_size_and_keeps_trying_the_other():
+    """Drafts pay alone and cost at batch 8 (simulated timings): the gate speculates at batch 1, stops
+    at batch 8, and still tries the other arm every `explore` steps."""
+    from specee.speculative.gate import SpeculationGate
+
+    gate = SpeculationGate(explore=8)
+    tokens_per_second = {(1, True): 200.0, (1, False): 100.0, (8, True): 300.0, (8, False): 600.0}
+    for batch in (1, 8):
+        choices = []
+        for _ in range(64):
+            on = gate.begin_step(batch)
+            choices.append(on)
+            gate.end_step(int(tokens_per_second[(batch, on)]), 1.0)
+        best = batch == 1
+        assert choices[8:].count(best) >= 48 and choices[8:].count(not best) >= 5, (batch, choices)

@@ -25,6 +25,12 @@ class FullDepth:
     def __init__(self, model: Transformer):
         self.model = model
 
+    def begin_step(self, decoding: int) -> None:
+        """A step begins with `decoding` requests past their prefill."""
+
+    def end_step(self, tokens: int, seconds: float) -> None:
+        """A step of only decoding requests emitted `tokens` in `seconds`."""
+
     def start(self, r: Running, features: torch.Tensor | None) -> None:
         """The request's prefill gave its first token (`r.last`); features: the prompt rows' features."""
 

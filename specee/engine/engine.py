@@ -66,9 +66,13 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch:
             t0 = device_time(self.model.device)
+            decoding = sum(r.prefilled for r in batch)
+            self.decoding.begin_step(decoding)
             segments = [self._plan(r) for r in batch]
             h, features = self.runner.forward(segments, self.decoding.feature_layers)
-            self._commit(batch, segments, h, features, t0)
+            emitted = self._commit(batch, segments, h, features, t0)
+            if decoding == len(batch):  # a pure decode step measures the decoding (no prefill inside)
+                self.decoding.end_step(emitted, device_time(self.model.device) - t0)
         failed, done = self.scheduler.retire()
         for r in done:
             self._settle(r)
@@ -81,9 +85,9 @@ class Engine:
         return Segment(ids, r.cache, self.model.range_inputs(0, len(r.seq.prompt_ids)))
 
     def _commit(self, batch: list[Running], segments: list[Segment], h: torch.Tensor,
-                features: torch.Tensor | None, t0: float) -> None:
+                features: torch.Tensor | None, t0: float) -> int:
         """Choose every request's tokens from its rows' logits (a newcomer: its prompt's last row) with
-        one LM-head call and one host read, then commit them."""
+        one LM-head call and one host read, then commit them; returns how many tokens were emitted."""
         firsts, picks, offset = [], [], 0
         for r, seg in zip(batch, segments):
             n = seg.tokens.shape[0]
@@ -100,7 +104,7 @@ class Engine:
         sizes = [v.shape[0] for v in verdicts]
         values = torch.cat(verdicts).tolist()  # the step's one host read
         now = device_time(self.model.device)
-        at = 0
+        at = total = 0
         for r, seg, first, size in zip(batch, segments, firsts, sizes):
             verdict, at = values[at : at + size], at + size
             rows = slice(first, first + seg.tokens.shape[0])
@@ -118,6 +122,8 @@ class Engine:
                 if r.seq.finished:
                     break
             r.last = emitted[-1]
+            total += len(emitted)
+        return total
 
     def _settle(self, r: Running) -> None:
         """A finished request's decode timing and its decoding's stats."""

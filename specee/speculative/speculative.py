@@ -27,6 +27,7 @@ from ..engine.scheduler import Running
 from ..engine.sequence import Sequence
 from ..model.llama import Transformer
 from ..sampling import sample
+from .gate import SpeculationGate
 from .tree import Tree, TreeGrower, TreeShape, compact, tree_inputs
 from .verify import accept_tree, verify_chain
 
@@ -93,6 +94,14 @@ class SpeculativeDecoding(FullDepth):
         self.extra_rows = num_tokens + 1 if tree is None else tree.size + 1
         self.feature_layers = drafter.feature_layers
         self.width = model.cfg.vocab_size
+        self.gate = SpeculationGate()
+        self.drafting = True  # this step's requests draft (the gate's choice)
+
+    def begin_step(self, decoding: int) -> None:
+        self.drafting = self.gate.begin_step(decoding)
+
+    def end_step(self, tokens: int, seconds: float) -> None:
+        self.gate.end_step(tokens, seconds)
 
     def generate(self, seq: Sequence) -> dict:
         """Decode one request to completion on an engine of its own (tests, benchmarks); returns its
@@ -116,13 +125,16 @@ class SpeculativeDecoding(FullDepth):
         st, params, model = r.state, r.seq.params, self.model
         st.start = n = r.cache.length
         room = params.max_tokens - len(r.seq.output_ids) - 1  # drafts beyond this could not be emitted
+        if not self.drafting:  # a chain of no drafts: a plain decode row, verified the same way
+            room = 0
         t0 = device_time(model.device)
         last = torch.tensor([r.last], device=model.device)
         st.tree = st.draft = None
         if self.grower is not None and room >= self.grower.shape.depth:
             st.tree = self.grower.grow(last, st.drafter)
         if st.tree is None:
-            st.draft = st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width)
+            st.draft = (st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width) if room > 0
+                        else Draft(last[:0]))
         st.stats.draft_seconds += device_time(model.device) - t0
         if st.tree is not None:
             return Segment(st.tree.tokens, r.cache, tree_inputs(model, st.tree, n))
