@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sampling import SamplingParams
+from ..sampling import NONFINITE_TOKEN, SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -52,8 +52,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string), "length", or "abort" (a stream closed while it ran)
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "abort" (a stream closed while it ran) or "error"
     stats: RequestStats
+    error: str | None = None  # why a request finished as "error"
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     _streamed: int = 0
 
@@ -79,7 +81,14 @@ class Sequence:
         return self.finish_reason is not None
 
     def append(self, token: int) -> None:
-        """Accept one generated token and decide whether the request is done."""
+        """Accept one generated token and decide whether the request is done. NONFINITE_TOKEN (the
+        logits were NaN or Inf) ends it as an error; the text before it stays."""
+        if token == NONFINITE_TOKEN:
+            self.finish_reason = "error"
+            self.error = (f"the model's logits are NaN or infinite at output token {len(self.output_ids) + 1}, so "
+                          "decoding stopped (its weights or activations overflow; float32 may help)")
+            self.text += self.detok.flush()
+            return
         self.output_ids.append(token)
         self.stats.generated_tokens = len(self.output_ids)
         eos = token in self.eos_ids and not self.params.ignore_eos
@@ -107,4 +116,4 @@ class Sequence:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
-                             self.finish_reason or "length", self.stats)
+                             self.finish_reason or "length", self.stats, self.error)
