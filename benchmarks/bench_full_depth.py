@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__} | transformers {transformers.__version__} | torch threads {threads} "
           f"| cpu: {cpu_name()}")
 
-    llm = LLM(args.model, device="cpu", dtype=dtype)
+    llm = LLM(args.model, device="cpu", dtype=dtype, quantization=None)
     hf = load_hf_model(args.model, "cpu", dtype)  # EOS cleared: it decodes exactly N tokens, like ignore_eos
 
     def run_specee(ids: list[int]) -> dict:

@@ -31,9 +31,9 @@ MODES = ("auto", "int4", "int8", "bf16")
 
 def load(model: str, mode: str) -> LLM:
     if mode == "float32":
-        return LLM(model, dtype="float32", progress=False)
+        return LLM(model, dtype="float32", progress=False, quantization=None)
     if mode == "bf16":
-        return LLM(model, dtype="bfloat16", progress=False)
+        return LLM(model, dtype="bfloat16", progress=False, quantization=None)
     return LLM(model, dtype="float32", quantization=mode, progress=False)
 
 

@@ -6,9 +6,18 @@ from dataclasses import dataclass, field, replace
 import torch
 
 
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
+NONFINITE_TOKEN = -1  # what sampling returns for a row whose logits hold NaN or Inf: Sequence ends it as an error
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. stop: a string, a
+    list of strings or None. Every field is checked here, so a bad value fails before any work."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -19,18 +28,27 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens (max_new_tokens) must be a positive integer, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature == float("inf"):
+        for name in ("temperature", "top_p"):
+            if not _is_number(getattr(self, name)):
+                raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not (0.0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise TypeError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
@@ -65,13 +83,24 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingParams,
            generators: torch.Generator | list[torch.Generator | None] | None) -> torch.Tensor:
     """Next token per row, [B] int64, from logits [B, V]. With one generator per row (one per
-    request), a seeded request draws the same tokens whatever it is batched with."""
+    request), a seeded request draws the same tokens whatever it is batched with. A row whose
+    logits hold NaN or Inf gets NONFINITE_TOKEN (no extra host read: it travels with the tokens)."""
     if params.greedy:
-        return logits.argmax(dim=-1)
-    probs = probabilities(logits, params)
+        return greedy(logits)
+    bad = ~logits.amax(dim=-1).isfinite()
+    probs = probabilities(logits.masked_fill(bad[:, None], 0.0), params)  # bad rows: any draw, replaced below
     if not isinstance(generators, list):
-        return torch.multinomial(probs, 1, generator=generators).squeeze(-1)
-    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+        tokens = torch.multinomial(probs, 1, generator=generators).squeeze(-1)
+    else:
+        tokens = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+    return torch.where(bad, NONFINITE_TOKEN, tokens)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax per row, or NONFINITE_TOKEN where the row's best logit is NaN or Inf (a NaN
+    anywhere in a row makes its max NaN)."""
+    best, tokens = logits.max(dim=-1)
+    return torch.where(best.isfinite(), tokens, NONFINITE_TOKEN)
 
 
 class RowSampler:
@@ -90,7 +119,7 @@ class RowSampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.greedy:
-            return logits.argmax(dim=-1)
+            return greedy(logits)
         if len(self.groups) == 1:
             return sample(logits, self.groups[0][0], self.generators)
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)

@@ -6,6 +6,7 @@ transformers does.
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -20,6 +21,29 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # older tokenizer_config stores AddedToken dicts
         return value.get("content")
     return value
+
+
+def utf8_text(text: str | bytes, what: str = "prompt") -> str:
+    """`text` as valid Unicode, or a one-line ValueError naming the first bad byte: bytes must be UTF-8,
+    and a str must not hold lone surrogates (what Python makes of undecodable bytes in argv or a file
+    read with errors="surrogateescape"). Refused rather than replaced: the model would read U+FFFD,
+    not what the user meant."""
+    if isinstance(text, bytes):
+        try:
+            return text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{what} is not valid UTF-8: byte 0x{text[e.start]:02x} at position {e.start}; "
+                             "convert it to UTF-8 (e.g. with iconv)") from None
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = ord(text[e.start])
+        bad = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        raise ValueError(f"{what} is not valid UTF-8: {bad} at position {e.start}; convert it to UTF-8 "
+                         "(e.g. with iconv)") from None
+    return text
 
 
 class Tokenizer:
@@ -51,8 +75,9 @@ class Tokenizer:
     def pad_token_id(self) -> int | None:
         return self.token_id(self.pad_token)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str | bytes, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (a str, or UTF-8 bytes); text that is not valid UTF-8 is refused (utf8_text)."""
+        return self.tok.encode(utf8_text(text, "text"), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -97,7 +122,15 @@ def _read_directory(model_dir: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:
 
 def _read_gguf(path: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:
     """The tokenizer transformers converts from a GGUF's metadata (vocabulary, merges, pre-tokenizer,
-    special tokens, chat template): the same conversion `AutoTokenizer.from_pretrained(gguf_file=)` runs."""
+    special tokens, chat template): the same conversion `AutoTokenizer.from_pretrained(gguf_file=)` runs.
+    Kept for a couple of files: the conversion takes seconds, and a draft's tokenizer is read twice
+    (checked against the target's before any weights load, then by the drafter)."""
+    stat = path.stat()
+    return _convert_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _convert_gguf(path: Path, _mtime_ns: int, _size: int) -> tuple[HFTokenizer, dict[str, Any], Any]:
     try:
         from transformers import AutoTokenizer
     except ImportError:

@@ -52,11 +52,11 @@ def real_llm():
 
 @pytest.fixture(scope="session")
 def gguf_llm():
-    """gguf_llm(path) -> specee LLM (float32) on a GGUF file, loaded once per session (tests skip first
-    when the file is absent)."""
+    """gguf_llm(path) -> specee LLM (float32 weights, dequantized) on a GGUF file, loaded once per session
+    (tests skip first when the file is absent)."""
     from specee import LLM
 
-    return functools.cache(lambda path: LLM(path, dtype="float32"))
+    return functools.cache(lambda path: LLM(path, dtype="float32", quantization=None))
 
 
 @pytest.fixture(scope="session")

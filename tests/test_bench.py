@@ -706,7 +706,7 @@ def test_llama_cpp_peer_decodes_the_same_gguf_greedily():
     from specee import LLM
     from specee.bench.llama_cpp import LlamaCppPeer
 
-    llm = LLM(gguf, progress=False)
+    llm = LLM(gguf, progress=False, quantization=None)
     ids = llm.encode("What is the capital of France?", chat=True)
     run = LlamaCppPeer(gguf, 2, len(ids) + 16).run(ids, 12)
     assert run.tokens == 12 and len(run.token_ids) == 12 and run.decode_tokens == 11

@@ -244,8 +244,8 @@ def test_python_dash_m():
 
 
 def test_generate_defaults_to_the_fastest_measured_weights():
-    """On CPU, generate and chat run a GGUF's own quantized blocks natively unless told otherwise (on
-    CUDA nothing is measured yet: float); the benchmark keeps float weights as its reference."""
+    """generate and chat pass LLM's own default, auto (on CPU a GGUF's own quantized blocks natively; on
+    CUDA, where nothing is measured yet, LLM runs float); the benchmark keeps float weights as its reference."""
     from specee.bench.cli import add_bench_parser
 
     parser = argparse.ArgumentParser()
@@ -255,7 +255,7 @@ def test_generate_defaults_to_the_fastest_measured_weights():
     add_bench_parser(sub)
     mode = lambda *argv: cli.args.quantization_mode(parser.parse_args(list(argv)))  # noqa: E731
     assert mode("generate", "--prompt", "x") == "auto" and mode("chat") == "auto"
-    assert mode("generate", "--prompt", "x", "--device", "cuda") is None
+    assert mode("generate", "--prompt", "x", "--device", "cuda") == "auto"
     assert mode("generate", "--prompt", "x", "--quantization", "none") is None
     assert mode("generate", "--prompt", "x", "--quantization", "int8", "--device", "cuda") == "int8"
     assert mode("bench", "speed", "--draft", "ngram") is None

@@ -426,7 +426,7 @@ def test_greedy_speculation_on_smollm2():
         pytest.skip(f"SmolLM2 GGUF not available: {path} is absent")
     from specee import LLM
 
-    llm = LLM(path, dtype="float32")
+    llm = LLM(path, dtype="float32", quantization=None)
     model, V = llm.model, llm.model.cfg.vocab_size
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = ["Repeat after me: the cat sat on the mat, the cat sat on the mat.", "What is the capital of France?"]

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, device_arg, non_negative_int, positive_int, quantization_mode,
-                   speculative_k)
+from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, device_arg, non_negative_int, positive_float, positive_int,
+                        quantization_mode, speculative_k)
+from ..cli.outputs import output_dir
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, parse_list
 from .plots import draw_figures
 from .report import write_json, write_text
@@ -57,7 +58,7 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
                    help=f"tokens to generate per prompt (default: {max_new_tokens})")
     if ee_options:
         e = p.add_argument_group("early-exit options (EarlyExitConfig)")
-        e.add_argument("--threshold-scale", type=float, default=1.0, help="scale of the thresholds' distance from 1 "
+        e.add_argument("--threshold-scale", type=positive_float, default=1.0, help="scale of the thresholds' distance from 1 "
                        "(> 1 = lower thresholds = more exits; default 1)")
         e.add_argument("--offline-size", type=non_negative_int, default=None,
                        help="offline schedule: the bank's first N ranked layers (default: the bank's set)")
@@ -72,7 +73,8 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
                        help="draft N tokens per pass with the early-exit drafter and verify them in the pass, "
                             "exits inside (speculative decoding + SpecEE; default 0: one token per pass)")
     o = p.add_argument_group("output")
-    o.add_argument("--out", metavar="DIR", default=None, help="write report.json, report.md and PNG figures here")
+    o.add_argument("--out", metavar="DIR", type=output_dir, default=None,
+                   help="write report.json, report.md and PNG figures here")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

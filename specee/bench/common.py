@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -159,7 +158,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def progress(iterable=None, *, enabled: bool = True, **kw):
-    """A tqdm bar on stderr (a plain iterator when disabled)."""
-    from tqdm.auto import tqdm
+    """A progress bar on stderr, on a terminal only (a plain iterator otherwise)."""
+    from ..progress import progress_bar
 
-    return tqdm(iterable, disable=not enabled, file=sys.stderr, dynamic_ncols=True, leave=False, **kw)
+    return progress_bar(iterable, enabled, leave=False, **kw)

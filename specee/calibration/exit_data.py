@@ -11,13 +11,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..drafters.base import Drafter, frequency_shortlist
 from ..engine.full_depth import decode_step, prefill, prefill_inputs
 from ..engine.scheduler import check_fits
 from ..exit.features import exit_features, spec_rows
 from ..model.llama import Transformer
+from ..progress import progress_bar
 from .prompts import encode_prompt
 
 if TYPE_CHECKING:
@@ -149,8 +149,8 @@ def record_calibration(model: Transformer, tokenizer: Tokenizer, drafter: Drafte
 
     # (a) the target's own greedy continuations
     t0 = time.perf_counter()
-    with tqdm(total=len(batches) * max_new_tokens, desc="calibrate: generate", unit="step",
-              disable=not progress) as bar:
+    with progress_bar(total=len(batches) * max_new_tokens, desc="calibrate: generate", unit="step",
+                      enabled=progress) as bar:
         conts = _generate(model, enc, batches, max_new_tokens, eos_ids, bar)
     t1 = time.perf_counter()
     seqs = [p + c for p, c in zip(enc, conts)]
@@ -169,7 +169,7 @@ def record_calibration(model: Transformer, tokenizer: Tokenizer, drafter: Drafte
             shortlist = frequency_shortlist(seqs, limit, max(size, drafter.k))
         drafter.restrict_vocab(shortlist)
     try:
-        with tqdm(total=len(batches), desc="calibrate: record layers", unit="batch", disable=not progress) as bar:
+        with progress_bar(total=len(batches), desc="calibrate: record layers", unit="batch", enabled=progress) as bar:
             rec = _record(model, drafter, seqs, starts, batches, bar)
     finally:
         if drafter.scores_vocabulary:

@@ -7,9 +7,9 @@ import time
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..exit.bank import PredictorBank
+from ..progress import progress_bar
 from .predictors import mlp_probs, train_predictors
 
 DEFAULT_TARGET_PRECISION = 0.97
@@ -193,7 +193,7 @@ def fit_bank(rec: dict[str, Any], *, k: int, target_fingerprint: str, drafter_fi
     fold_of_prompt = {pi: j % folds for j, pi in enumerate(perm)}
     fold = torch.tensor([fold_of_prompt[int(o)] for o in owner])
     masks = torch.stack([fold != f for f in range(folds)] + [torch.ones(N, dtype=torch.bool)])
-    with tqdm(total=train_steps, desc="calibrate: train predictors", unit="step", disable=not progress) as bar:
+    with progress_bar(total=train_steps, desc="calibrate: train predictors", unit="step", enabled=progress) as bar:
         t2 = time.perf_counter()
         w1, b1, w2, b2 = train_predictors(X, correct.float(), masks, hidden, train_steps, lr, seed, bar,
                                           minibatch=minibatch)

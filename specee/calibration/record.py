@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..model.llama import Transformer
+from ..progress import progress_bar
 from ..records import data_files, question, raw_text, read_file
 from .prompts import calibration_data
 
@@ -135,8 +135,8 @@ def record(model: Transformer, sequences: list[list[int]], feature_layers: tuple
     batches = [batches[b] for b in shuffle]
     parts: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields(Record) if f.name not in ("starts", "sources")}
     covered: list[int] = []
-    bar = tqdm(total=sum(len(sequences[j]) for j in order), desc="recording target features", unit="tok",
-               disable=not progress)
+    bar = progress_bar(total=sum(len(sequences[j]) for j in order), desc="recording target features", unit="tok",
+                       enabled=progress)
     for batch in batches:
         rows = [sequences[j] for j in batch]
         T = len(rows[0])

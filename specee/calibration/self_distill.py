@@ -17,8 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
 
+from ..progress import progress_bar
 from ..records import question
 from ..sampling import SamplingParams
 from .record import read_records
@@ -57,7 +57,7 @@ def distill(llm, output: str | Path, data: str | Path | None = None, max_new_tok
     deadline = None if minutes is None else time.monotonic() + 60 * minutes
     params = SamplingParams(max_tokens=max_new_tokens)
     out: list[dict] = []
-    bar = tqdm(total=len(order), desc="answering instructions", unit="answer", disable=not progress)
+    bar = progress_bar(total=len(order), desc="answering instructions", unit="answer", enabled=progress)
     for b in range(0, len(order), batch_size):
         batch = order[b : b + batch_size]
         for i, result in zip(batch, llm.generate([prompts[i] for i in batch], params)):

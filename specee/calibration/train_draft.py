@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from ..drafters.base import frequency_shortlist
 from ..drafters.eagle_head import EagleHead, EagleHeadConfig
 from ..model.llama import Transformer
+from ..progress import progress_bar
 from .record import Record, record, training_sequences
 
 CHECKPOINT_DIR = "checkpoint"
@@ -165,7 +165,8 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
 
     t_start = time.monotonic()
     deadline = t_start + minutes * 60
-    llm = model if isinstance(model, LLM) else LLM(model, device=device, dtype="float32", progress=progress)
+    llm = model if isinstance(model, LLM) else LLM(model, device=device, dtype="float32", progress=progress,
+                                                   quantization=None)  # as the CLI: the float target
     target, cfg = llm.model, llm.model.cfg
     if target.dtype != torch.float32:
         raise ValueError(f"the head trains in float32; load the target with dtype='float32' (it is {target.dtype})")
@@ -252,8 +253,8 @@ def _train_steps(head: EagleHead, optimizer: torch.optim.AdamW, rec: Record, las
     def more() -> bool:
         return time.monotonic() < deadline and (recipe.max_steps is None or done["steps"] < recipe.max_steps)
 
-    bar = tqdm(desc="training draft head", unit="step", disable=not progress,
-               total=recipe.max_steps - done["steps"] if recipe.max_steps else None)
+    bar = progress_bar(desc="training draft head", unit="step", enabled=progress,
+                       total=recipe.max_steps - done["steps"] if recipe.max_steps else None)
     while more():
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(recipe.seed + done["steps"]))
         for group in batches_of(rec, [train[i] for i in order.tolist()], recipe.batch_tokens):

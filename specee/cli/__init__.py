@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .args import EXIT_USAGE, PROG, CLIError, cli_wording
+from .args import EXIT_USAGE, PROG, CLIError, Parser, cli_wording
 from .run import add_chat_parser, add_generate_parser, add_info_parser
 from .train import add_calibrate_parser, add_distill_parser, add_train_draft_parser
 
@@ -41,7 +41,7 @@ SUBCOMMANDS: list[Callable[[Any], argparse.ArgumentParser]] = [
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=PROG, description="specee: faster decoding of Hugging Face causal LMs by speculative early exiting")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 PROG = "specee"
 DEFAULT_MODEL = Path("../shared/models/smollm2-135m-instruct")  # SmolLM2-135M-Instruct, a GGUF file
 REFERENCE_MODEL = "ref-target-24L"  # the project's reference target: ref-draft-4L is its default drafter
-MAX_K = 64  # speculative tokens per step: SpecEE uses 4; features and predictors grow with k
+MAX_K = 64  # speculative tokens per step (spec/config.py's MAX_SPECULATIVE_TOKENS): SpecEE uses 4
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 EXIT_USAGE = 2  # bad arguments or a library error (argparse uses 2 as well)
@@ -18,6 +18,15 @@ EXIT_USAGE = 2  # bad arguments or a library error (argparse uses 2 as well)
 
 class CLIError(Exception):
     """A user-facing error: printed as `specee: error: <message>` and exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a usage error as the one line every other error is (`--help` shows the usage)."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix(PROG).strip()
+        self.exit(EXIT_USAGE, f"{PROG}: error: {command + ': ' if command else ''}{message} "
+                              f"(`{self.prog} --help` lists the flags)\n")
 
 
 # ---- shared arguments ----------------------------------------------------------------------
@@ -49,7 +58,8 @@ def device_arg(value: str) -> str:
 
 def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastest: bool = False) -> None:
     """--model, plus --device, --dtype and --quantization when the command runs the model; `fastest`:
-    the command decodes for a user (generate, chat), so its defaults are the fastest measured."""
+    the command decodes for a user (generate, chat) or calibrates for them, so its defaults are the
+    fastest measured (LLM's own)."""
     g = parser.add_argument_group("model")
     g.add_argument("--model", metavar="PATH|ID", default=None,
                    help="a Hugging Face checkpoint directory, a .gguf file (or a directory holding one), or a hub "
@@ -65,14 +75,13 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastes
         add_quantization_arg(g, fastest)
 
 
-QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), auto (a GGUF's "
-                     "own precision: Q4 -> int4, Q5/Q6/Q8 -> int8, float -> none) or none (float weights)")
-FASTEST_QUANTIZATION = {"cpu": "auto"}  # measured on SmolLM2 Q4_1, 2 CPU threads: 3.9x float32 (BENCHMARKS.md)
+QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), auto (on CPU a GGUF's "
+                     "own precision: Q4 -> int4, Q5/Q6/Q8 -> int8, float -> none; on CUDA none) or none (float weights)")
 
 
 def add_quantization_arg(group, fastest: bool = False) -> None:
     """--quantization, for every command that runs a model (shared with `specee bench`)."""
-    default = ("auto on CPU (the fastest measured; a checkpoint with float weights stays float), none on CUDA"
+    default = ("auto, as LLM(...) in Python (the fastest measured; a checkpoint with float weights stays float)"
                if fastest else "none")
     group.add_argument("--quantization", choices=("int4", "int8", "auto", "none"), default=None,
                        help=f"{QUANTIZATION_HELP}; default: {default}")
@@ -80,10 +89,9 @@ def add_quantization_arg(group, fastest: bool = False) -> None:
 
 
 def quantization_mode(args: argparse.Namespace) -> str | None:
-    """The quantization LLM(...) gets: the flag, else the command's default for the device."""
-    mode = args.quantization
-    if mode is None and getattr(args, "fastest_quantization", False):
-        mode = FASTEST_QUANTIZATION.get(args.device)
+    """The quantization LLM(...) gets: the flag, else the command's default (LLM's own "auto" where it decodes
+    for a user: on CPU 3.9x float32 on SmolLM2 Q4_1, BENCHMARKS.md; float where it measures a reference)."""
+    mode = args.quantization or ("auto" if getattr(args, "fastest_quantization", False) else "none")
     return None if mode == "none" else mode
 
 
@@ -94,6 +102,37 @@ def _int_at_least(value: str, low: int, what: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value!r}") from None
     if n < low:
         raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value!r}")
+    return n
+
+
+def _float_where(value: str, ok, what: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = None
+    if x is None or not ok(x):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
+    return x
+
+
+def non_negative_float(value: str) -> float:
+    return _float_where(value, lambda x: 0 <= x < float("inf"), "a finite number >= 0")
+
+
+def positive_float(value: str) -> float:
+    return _float_where(value, lambda x: 0 < x < float("inf"), "a finite number > 0")
+
+
+def probability(value: str) -> float:
+    return _float_where(value, lambda x: 0 < x <= 1, "a number in (0, 1]")
+
+
+def seed_int(value: str) -> int:
+    from ..sampling import SEED_LIMIT
+
+    n = _int_at_least(value, 0, "non-negative")
+    if n >= SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected a seed below 2**64, got {value!r}")
     return n
 
 
@@ -118,11 +157,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N",
                    help="most tokens to generate (default: 128)")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+    g.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
                    help="0 = greedy (default), > 0 samples")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0 = off)")
-    g.add_argument("--seed", type=int, default=None, metavar="N", help="random seed for sampling (reproducible runs)")
+    g.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
+                   help="sample among the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=probability, default=1.0, metavar="P", help="nucleus sampling mass (1.0 = off)")
+    g.add_argument("--seed", type=seed_int, default=None, metavar="N",
+                   help="random seed for sampling, 0 to 2**64 - 1 (reproducible runs)")
     g.add_argument("--stop", nargs="+", action="extend", default=[], metavar="S",
                    help="stop when any of these strings is produced (not included in the output)")
 
@@ -154,13 +195,13 @@ def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-policy", choices=("skip", "propagate", "recompute"), default="recompute",
                    help="how the KV entries of skipped layers are filled (default: recompute, exact)")
     g.add_argument("--k", type=speculative_k, default=4, help=f"speculative tokens per step, 1-{MAX_K} (default: 4)")
-    g.add_argument("--threshold-scale", type=float, default=1.0, metavar="S",
+    g.add_argument("--threshold-scale", type=positive_float, default=1.0, metavar="S",
                    help="scale the bank's thresholds' distance from 1: > 1 exits more, < 1 less (default: 1)")
     g.add_argument("--max-pending", type=positive_int, default=8, metavar="N",
                    help="carried rows / unverified tokens before a forced full-depth step (default: 8)")
     g.add_argument("--offline-size", type=positive_int, default=None, metavar="N",
                    help="offline predictor layers to use (default: the bank's set)")
-    g.add_argument("--online-window", type=int, default=4, metavar="N",
+    g.add_argument("--online-window", type=non_negative_int, default=4, metavar="N",
                    help="recent tokens whose exit layers get online predictors (default: 4; 0 = off)")
 
 
@@ -213,6 +254,7 @@ def load_llm(args: argparse.Namespace):
     import torch
 
     from ..engine.llm import LLM
+    from ..model.quant import QuantizationError
 
     model_dir = resolve_model_dir(args.model, args.revision)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -224,8 +266,11 @@ def load_llm(args: argparse.Namespace):
         speculative = SpeculativeConfig.parse(speculative)  # before loading: bad configs fail fast
     config = early_exit_config(args) if hasattr(args, "no_exit") else None
     quantization = quantization_mode(args)
-    llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
-              speculative_config=speculative)
+    try:
+        llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
+                  speculative_config=speculative)
+    except QuantizationError as e:
+        raise CLIError(f"--quantization {quantization}: {e}; --quantization none runs float weights") from None
     if args.quantization:
         note(f"{quantization or 'float'} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
     if llm.early_exit is not None and (warning := exit_room_note(llm.early_exit.bank.summary)):

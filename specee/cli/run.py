@@ -34,11 +34,19 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
 
 
 def read_prompt(value: str) -> str:
-    """The prompt text; an empty one is refused (most often an unset shell variable, not a wish)."""
-    text = value
-    if value == "-":
-        text = sys.stdin.read()
-        text = text[:-1] if text.endswith("\n") else text  # the newline `echo` adds is not part of the prompt
+    """The prompt text; an empty one (most often an unset shell variable, not a wish) and one that is not
+    valid UTF-8 are refused before any work."""
+    from ..tokenizer import utf8_text
+
+    try:
+        if value == "-":
+            stdin = getattr(sys.stdin, "buffer", sys.stdin)  # the bytes, where the stream has them
+            text = utf8_text(stdin.read(), "--prompt - (stdin)")
+            text = text[:-1] if text.endswith("\n") else text  # the newline `echo` adds is not part of the prompt
+        else:
+            text = utf8_text(value, "--prompt")
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     if not text.strip():
         raise CLIError("empty prompt: give the text with --prompt TEXT, or --prompt - to read it from stdin")
     return text
@@ -62,18 +70,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate(prompt, params, chat=chat)[0]
         print(json.dumps({"model": str(llm.model_dir), "prompt": prompt, "chat": chat, "text": out.text,
                           "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
-                          "finish_reason": out.finish_reason, "stats": out.stats.as_dict(),
+                          "finish_reason": out.finish_reason, "error": out.error, "stats": out.stats.as_dict(),
                           "quantization": llm.quantization, "weight_bytes": llm.model.weight_bytes()}, ensure_ascii=False))
-        return 0
-    for delta in llm.stream(prompt, params, chat=chat):
-        write_out(delta)
-    write_out("\n")
-    print_stats(llm.last_output.stats, args.stats)
+    else:
+        for delta in llm.stream(prompt, params, chat=chat):
+            write_out(delta)
+        write_out("\n")
+        out = llm.last_output
+        if out.finish_reason != "error":
+            print_stats(out.stats, args.stats)
+    if out.finish_reason == "error":
+        raise CLIError(out.error)
     return 0
 
 
 # ---- specee chat ---------------------------------------------------------------------------
-CHAT_HELP = "commands: /reset clears the conversation, /exit (or end of input) quits"
+CHAT_HELP = ("commands: /reset clears the conversation, /help shows this, /exit or /quit (or end of input) quits; "
+             "a line starting with // is sent with one /")
 
 
 def add_chat_parser(sub) -> argparse.ArgumentParser:
@@ -113,16 +126,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"chatting with {llm.model_dir} ({CHAT_HELP})", file=sys.stderr)
     while True:
         line = read_line(">>> ")
-        if line is None or line.strip() in ("/exit", "/quit"):
+        command = None if line is None else line.strip()
+        if command is None or command in ("/exit", "/quit"):
             return 0
-        if line.strip() == "/reset":
-            messages = list(start)
-            note("conversation cleared")
+        if command.startswith("//"):  # text that begins with a slash
+            line = line.replace("//", "/", 1)
+        elif command.startswith("/"):  # a command, never sent to the model
+            if command == "/reset":
+                messages = list(start)
+                note("conversation cleared")
+            else:
+                note(CHAT_HELP if command == "/help" else f"unknown command {command.split()[0]}; {CHAT_HELP}")
             continue
-        if line.strip() == "/help":
-            note(CHAT_HELP)
-            continue
-        if not line.strip():
+        if not command:
             continue
         messages.append({"role": "user", "content": line})
         reply = []
@@ -144,6 +160,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         write_out("\n")
         out = llm.last_output
+        if out.finish_reason == "error":
+            messages.pop()
+            print(f"{PROG}: error: {out.error} (/reset starts a new conversation)", file=sys.stderr)
+            continue
         messages.append({"role": "assistant", "content": out.text})
         if args.stats:
             print_stats(out.stats, False)
@@ -177,12 +197,15 @@ def count_parameters(model_dir: Path) -> tuple[int, int]:
 
 
 def gguf_summary(path: Path):
-    """(config, parameter count, bytes, tokenizer vocabulary, has a chat template) from a GGUF's header."""
-    from ..model.gguf import check_tensor_types, config_from_gguf, open_gguf
+    """(config, parameter count, bytes, tokenizer vocabulary, has a chat template) from a GGUF's header;
+    the tensors are checked for NaN / Inf too (from their scales: ~20 ms for SmolLM2)."""
+    from ..model.gguf import check_finite, check_tensor_types, config_from_gguf, open_gguf
 
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, path)
     check_tensor_types(reader, path)
+    for tensor in reader.tensors:
+        check_finite(tensor, path)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return (cfg, sum(int(t.n_elements) for t in reader.tensors), path.stat().st_size,
             None if tokens is None else len(tokens.data), "tokenizer.chat_template" in reader.fields)

@@ -7,7 +7,8 @@ import sys
 import time
 
 from .args import (CLIError, MAX_K, add_model_args, default_draft, load_llm, non_negative_int, positive_int,
-                   speculative_k)
+                   resolve_model_dir, speculative_k)
+from .outputs import output_dir, output_file, writable_destination
 
 
 # ---- specee calibrate ----------------------------------------------------------------------
@@ -16,13 +17,15 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
                        description="Run the target at full depth over calibration prompts, record the exit "
                                    "features per layer, train one small predictor per layer, choose thresholds "
                                    "on held-out data and the offline layer set; save the bank to -o.")
-    add_model_args(p)
+    add_model_args(p, fastest=True)  # the weights generate runs: the bank's features depend on them
     p.add_argument("--draft", metavar="DIR|ngram", default=None,
                    help="drafter: a draft model (directory or .gguf) or 'ngram' (default: ref-draft-4L for ref-target-24L)")
     p.add_argument("--data", metavar="PATH", default=None,
                    help="calibration prompts: a file (alpaca .json or .jsonl with text/instruction) or a "
                         "directory of them (default: ../shared/data/calibration)")
-    p.add_argument("-o", "--output", metavar="BANK", required=True, help="directory to write the bank to")
+    p.add_argument("-o", "--output", metavar="BANK", type=output_dir, default=None,
+                   help="directory to write the bank to (default: the cache `generate --draft` reads, "
+                        "~/.cache/specee/banks or $SPECEE_CACHE/banks)")
     p.add_argument("--prompts", type=positive_int, default=None, metavar="N",
                    help="use at most N prompts (default: 96, which takes 1-2 minutes for the reference pair on a 2-core CPU)")
     p.add_argument("--max-new-tokens", type=positive_int, default=96, metavar="N",
@@ -39,20 +42,37 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Calibrate a bank; without -o it goes where `generate --draft` looks for it (outside the repository)."""
     from ..calibration import calibrate, format_summary, load_calibration_prompts
+    from ..engine.llm import check_draft_tokenizers, default_cache_dir
+    from ..exit.bank import PredictorBank
+    from ..tokenizer import Tokenizer
 
+    if args.output is None:
+        try:
+            writable_destination(default_cache_dir() / "banks", directory=True)
+        except ValueError as e:
+            raise CLIError(f"the bank cache: {e}; pass -o BANK (or set $SPECEE_CACHE)") from None
+    else:
+        try:
+            PredictorBank.check_destination(args.output)
+        except FileExistsError as e:
+            raise CLIError(f"-o {e}") from None
+    model_dir = resolve_model_dir(args.model, args.revision)
+    draft = args.draft if args.draft is not None else default_draft(model_dir)
+    if draft is None:
+        raise CLIError("calibrate needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
+    if draft != "ngram":
+        check_draft_tokenizers(Tokenizer(model_dir), model_dir, [str(draft)])
     prompts = load_calibration_prompts(args.data, limit=args.prompts)
     args.no_exit = True
     llm = load_llm(args)
-    draft = args.draft if args.draft is not None else default_draft(llm.model_dir)
-    if draft is None:
-        raise CLIError("calibrate needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
     drafter = llm.make_drafter(str(draft), args.k)
     limit = {} if args.prompts is None else {"max_prompts": args.prompts}
     bank = calibrate(llm.model, llm.tokenizer, drafter, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
                      offline_size=args.offline_size, target_dir=llm.model_dir, target_fingerprint=llm.fingerprint,
                      eos_ids=llm.eos_ids, draft_vocab=args.draft_vocab, **limit)
-    path = bank.save(args.output)
+    path = bank.save(args.output or llm.bank_cache_path(drafter, args.k))
     if args.json:
         print(json.dumps(bank.manifest()))
     else:
@@ -75,7 +95,8 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
                                    "a one-layer EAGLE head on them within a time budget and save it to -o "
                                    "(head.safetensors + manifest.json; resumable state in -o/checkpoint).")
     add_model_args(p)
-    p.add_argument("-o", "--output", metavar="HEAD_DIR", required=True, help="directory to write the head to")
+    p.add_argument("-o", "--output", metavar="HEAD_DIR", type=output_dir, required=True,
+                   help="directory to write the head to")
     p.add_argument("--minutes", type=float, default=5.0, metavar="M",
                    help="time budget for recording and training (default: 5)")
     p.add_argument("--feature-layers", type=layer_list, default=None, metavar="I,J,K",
@@ -121,7 +142,7 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
                                    "(greedy, full depth, chat template, batched) and write them as an alpaca "
                                    ".json file: the text a draft head should learn (train-draft --data FILE).")
     add_model_args(p)
-    p.add_argument("-o", "--output", metavar="FILE", required=True, help="the .json file to write")
+    p.add_argument("-o", "--output", metavar="FILE", type=output_file, required=True, help="the .json file to write")
     p.add_argument("--data", metavar="PATH", default=None,
                    help="instruction records: alpaca .json / .jsonl file or directory (default: ../shared/data/calibration)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="answer length cap (default: 256)")

@@ -84,7 +84,12 @@ class DraftChain:
 
 
 class DrafterMismatchError(ValueError):
-    """A drafter cannot serve this target (different tokenizer / vocabulary)."""
+    """A drafter cannot serve this target (different tokenizer / vocabulary); the message is one short
+    line, `details` lists where the tokenizers differ."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
 
 
 class Drafter(ABC):
@@ -198,7 +203,7 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_dir: str | Pa
 
     Compares the full vocabularies (token string -> id, added tokens included) of the
     underlying `tokenizers` objects and the special tokens (bos/eos/pad and added special
-    tokens). Raises DrafterMismatchError naming the sizes and a few differing tokens.
+    tokens). Raises DrafterMismatchError naming the sizes; its `details` name a few differing tokens.
     """
     target_name, draft_name = str(target_dir or "target"), str(draft_dir or "draft")
     tv, dv = _vocab(target_tokenizer), _vocab(draft_tokenizer)
@@ -222,11 +227,10 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_dir: str | Pa
         shown = ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in list(diff.items())[:4])
         problems.append(f"special tokens differ (target vs draft): {shown}")
     if problems:
+        sizes = f"{len(tv)} vs {len(dv)} tokens" if len(tv) != len(dv) else "special tokens or ids differ"
         raise DrafterMismatchError(
-            f"draft {draft_name} cannot draft for target {target_name}: its tokenizer differs; "
-            + "; ".join(problems)
-            + ". A drafter must share the target's tokenizer (use a draft model from the same family, "
-              "or the training-free n-gram drafter)")
+            f"draft {draft_name} has another tokenizer than target {target_name} ({sizes}); a drafter must share "
+            "the target's tokenizer: use a draft model of the same family, or ngram", "; ".join(problems))
 
 
 def frequency_shortlist(sequences: list[list[int]], vocab_size: int, size: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from ..clock import device_time
 from ..model.llama import Transformer
-from ..sampling import sample
+from ..sampling import NONFINITE_TOKEN, sample
 from .decoding import FullDepth
 from .kv_manager import KVCacheManager, parse_kv_budget
 from .runner import ModelRunner, Segment
@@ -109,6 +109,9 @@ class Engine:
             verdict, at = values[at : at + size], at + size
             rows = slice(first, first + seg.tokens.shape[0])
             feats = None if features is None else features[rows]
+            if NONFINITE_TOKEN in verdict:  # NaN or Inf logits: the request ends with an error, no one else does
+                r.seq.append(NONFINITE_TOKEN)
+                continue
             if r.prefilled:
                 emitted = self.decoding.commit(r, verdict, feats)
             else:  # the prefill's token; the decoding starts from it

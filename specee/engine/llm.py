@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.base import Drafter
+from ..drafters.base import Drafter, check_same_tokenizer
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NGramDrafter
 from ..exit.bank import PredictorBank
@@ -18,7 +18,7 @@ from ..model.quant import FloatLinear
 from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, utf8_text
 from ..exit.config import EarlyExitConfig
 from .early_exit import EarlyExitDecoder
 from .engine import DEFAULT_MAX_NUM_SEQS, Engine
@@ -57,6 +57,40 @@ def load_eos_ids(model_path: Path, model: Transformer, tokenizer: Tokenizer) -> 
     return frozenset(ids)
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The torch device `device` names, refused in one line where specee cannot run (another kind, no CUDA)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(dev)!r}: CUDA is not available (torch {torch.__version__}); use device='cpu'")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {str(dev)!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
+def named_drafts(early_exit: EarlyExitConfig | None, speculative_config) -> list[str]:
+    """The draft models the configs name (checking the speculative_config on the way)."""
+    from ..spec.config import SpeculativeConfig
+
+    drafts = [] if early_exit is None or early_exit.draft in (None, "ngram") else [early_exit.draft]
+    if speculative_config is not None:
+        spec = SpeculativeConfig.parse(speculative_config)
+        drafts += [spec.model] if spec.method == "draft_model" else []
+    return list(dict.fromkeys(drafts))
+
+
+def check_draft_tokenizers(tokenizer: Tokenizer, model_dir: Path, drafts: list[str]) -> None:
+    """Refuse a draft model whose tokenizer differs from the target's before any weights load (loading
+    a large pair first took minutes)."""
+    for draft in drafts:
+        draft_dir = resolve_model(draft, what="draft model")
+        check_same_tokenizer(tokenizer, Tokenizer(draft_dir), model_dir, draft_dir)
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get("SPECEE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specee")
@@ -79,8 +113,10 @@ class LLM:
     """A loaded target model; with `early_exit`, decoding uses SpecEE early exiting.
 
     model: a checkpoint directory, a .gguf file (or a directory holding one), or a Hugging Face hub
-    id (`revision` picks a branch, tag or commit). quantization: None (float), "int4", "int8" or
-    "auto" (a GGUF's own precision: Q4 -> int4, Q5/Q6/Q8 -> int8, float -> float). early_exit: an EarlyExitConfig. Its bank is
+    id (`revision` picks a branch, tag or commit). quantization: "auto" (the default, as on the
+    command line: the fastest measured; on CPU a GGUF's own precision, Q4 -> int4, Q5/Q6/Q8 -> int8,
+    float -> float; on CUDA, where nothing is measured yet, float), "int4", "int8" or None (float
+    weights). early_exit: an EarlyExitConfig. Its bank is
     loaded (and checked against this target and drafter); without one, a bank is calibrated once
     and cached under ~/.cache/specee/banks, keyed by the target's and drafter's fingerprints and the dtype.
     speculative_config: draft-and-verify speculative decoding, as in vLLM:
@@ -91,12 +127,18 @@ class LLM:
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                  early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
-                 quantization: str | None = None, speculative_config: dict | None = None,
+                 quantization: str | None = "auto", speculative_config: dict | None = None,
                  kv_cache_memory: int | str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
-        self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
-        dev = torch.device(device)
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path or a Hugging Face hub id (str or Path), got {model!r}")
+        dev = check_device(device)
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(map(str, QUANTIZATIONS))}")
+        if quantization == "auto" and dev.type != "cpu":
+            quantization = None  # nothing measured off the CPU yet: float weights
+        self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
+        if drafts := named_drafts(early_exit, speculative_config):
+            check_draft_tokenizers(Tokenizer(self.model_dir), self.model_dir, drafts)
         self.quantization = quantization  # weight-only int4/int8 linears (model/quant.py); auto: a GGUF's own
         self.model = Transformer.load(self.model_dir, dev, resolve_dtype(dtype, dev), quantization)
         self.tokenizer = Tokenizer(self.model_dir)
@@ -202,18 +244,20 @@ class LLM:
         return bank
 
     # ---- requests -----------------------------------------------------------------------
-    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+    def encode(self, prompt: str | bytes | list[int], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text (a str, or UTF-8 bytes; invalid UTF-8 is refused) or token ids."""
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < self.model.cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {self.model.cfg.vocab_size}): {bad[:5]}")
             return list(prompt)
+        prompt = utf8_text(prompt)
         if chat:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
     def _sequences(self, prompts, params: SamplingParams | list[SamplingParams] | None, chat: bool) -> list[Sequence]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, bytes)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise ValueError("no prompts given")

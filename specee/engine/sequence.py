@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sampling import SamplingParams
+from ..sampling import NONFINITE_TOKEN, SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -116,7 +116,13 @@ class Sequence:
         self.stats.finish_time = time.monotonic()
 
     def append(self, token: int) -> None:
-        """Accept one generated token and decide whether the request is done."""
+        """Accept one generated token and decide whether the request is done. NONFINITE_TOKEN (the
+        logits were NaN or Inf) ends it as an error; the text before it stays."""
+        if token == NONFINITE_TOKEN:
+            self.text += self.detok.flush()
+            self.fail(f"the model's logits are NaN or infinite at output token {len(self.output_ids) + 1}, so "
+                      "decoding stopped (its weights or activations overflow; float32 may help)")
+            return
         if not self.output_ids:
             self.stats.first_token_time = time.monotonic()
         self.output_ids.append(token)

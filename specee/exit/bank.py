@@ -144,12 +144,9 @@ class PredictorBank:
             "summary": jsonable(self.summary),
         }
 
-    def save(self, path: str | Path) -> Path:
-        """Write the bank directory atomically: a temp dir next to it, renamed into place. An
-        existing bank at `path` is replaced; any other existing directory is refused."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
+    @staticmethod
+    def check_destination(path: Path) -> None:
+        """Refuse a path `save` would not write (also called before calibrating: no work thrown away)."""
         if path.exists():
             if not path.is_dir():
                 raise FileExistsError(f"{path} exists and is not a directory")
@@ -157,6 +154,14 @@ class PredictorBank:
             if foreign:
                 raise FileExistsError(f"{path} exists and holds files that are not a predictor bank "
                                       f"({', '.join(sorted(foreign)[:5])}); choose an empty or new directory")
+
+    def save(self, path: str | Path) -> Path:
+        """Write the bank directory atomically: a temp dir next to it, renamed into place. An
+        existing bank at `path` is replaced; any other existing directory is refused."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        self.check_destination(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:

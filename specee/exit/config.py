@@ -52,8 +52,10 @@ class EarlyExitConfig:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if self.max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
-        if self.threshold_scale <= 0:
-            raise ValueError(f"threshold_scale must be > 0, got {self.threshold_scale}")
+        if not 0 < self.threshold_scale < float("inf"):
+            raise ValueError(f"threshold_scale must be > 0 and finite, got {self.threshold_scale}")
+        if self.online_window < 0:
+            raise ValueError(f"online_window must be >= 0, got {self.online_window}")
         if self.num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if not self.check_cost >= 0:

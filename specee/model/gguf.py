@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig, UnsupportedModelError
-from .gguf_blocks import GGUFWeight
+from .gguf_blocks import GGUFWeight, all_finite
 from .weights import CheckpointError
 
 # GGUF `general.architecture` -> the transformers class name specee's ModelConfig uses
@@ -189,6 +189,12 @@ def check_tensor_types(reader, source: str | Path) -> None:
                                     f"by the gguf package installed")
 
 
+def check_finite(tensor, source: str | Path) -> None:
+    """Refuse a tensor holding NaN or Inf (a corrupt file) before it is used, naming it."""
+    if not all_finite(tensor.tensor_type, tensor.data):
+        raise CheckpointError(f"{source}: tensor {tensor.name} holds NaN or infinite values (the file is corrupt)")
+
+
 def read_gguf_state_dict(reader, cfg: ModelConfig, source: str | Path, dtype: torch.dtype = torch.float32,
                          raw_matrices: bool = False) -> dict[str, torch.Tensor | GGUFWeight]:
     """Every tensor dequantized (gguf.quants.dequantize) to `dtype`, un-permuted, under its HF name;
@@ -202,6 +208,7 @@ def read_gguf_state_dict(reader, cfg: ModelConfig, source: str | Path, dtype: to
         raise CheckpointError(f"{source}: unexpected GGUF tensors not used by {cfg.architecture}: {extra[:5]}")
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        check_finite(t, source)
         heads = permuted_heads(cfg, t.name)
         if raw_matrices and t.data.ndim == 2:  # a row permutation of quantized rows is exact
             tensors[mapping[t.name]] = GGUFWeight(t.tensor_type, t.data if heads is None else unpermute_rows(t.data, heads))

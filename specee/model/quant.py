@@ -25,6 +25,10 @@ INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K groups are 32 weights: one repack for b
 KERNEL_DTYPE = torch.bfloat16  # the dtype the integer kernels run in (activations, scales)
 
 
+class QuantizationError(ValueError):
+    """A weight whose shape the chosen integer format cannot hold."""
+
+
 class Linear(Protocol):
     out_features: int
     in_features: int
@@ -99,7 +103,7 @@ class Int8Linear(_KernelLinear):
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         if qweight.shape[1] % 16:  # measured: other K give inf/nan for one row and crash for several
-            raise ValueError(f"int8 needs the input dim ({qweight.shape[1]}) to be a multiple of 16")
+            raise QuantizationError(f"int8 needs the input dim ({qweight.shape[1]}) to be a multiple of 16")
         self.qweight = qweight  # int8 [N, K]
         self.scales = scales.to(KERNEL_DTYPE)  # [N]; the kernel reads them in the activations' dtype
         self.bias = bias
@@ -160,7 +164,7 @@ class Int4Linear(_KernelLinear):
         """q: uint8 [N, K] values 0..15; scales, zeros: [N, K // group] (rounded to bf16 here)."""
         N, K = q.shape
         if K % group or group not in (32, 64, 128, 256) or N % 16:
-            raise ValueError(f"int4 needs the output dim ({N}) to be a multiple of 16 and the input dim ({K}) "
+            raise QuantizationError(f"int4 needs the output dim ({N}) to be a multiple of 16 and the input dim ({K}) "
                              f"a multiple of the group size ({group}, one of 32/64/128/256)")
         self.out_features, self.in_features, self.group = N, K, group
         self.scales, self.zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)  # [N, G]

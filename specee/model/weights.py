@@ -53,6 +53,8 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         with open_safetensors(file) as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
+                if not torch.isfinite(tensors[name]).all():  # a corrupt file: refused before it is used
+                    raise CheckpointError(f"{file}: tensor {name} holds NaN or infinite values (the file is corrupt)")
     return tensors
 
 

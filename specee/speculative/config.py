@@ -24,6 +24,7 @@ METHODS = ("eagle", "draft_model", "ngram")
 KEYS = ("method", "model", "num_speculative_tokens", "tree", "prompt_lookup_max", "quantization")
 DRAFT_QUANTIZATIONS = ("int4", "int8", "auto", None)
 DEFAULT = "default"  # the draft's quantization when the config names none: see draft_quantization
+MAX_SPECULATIVE_TOKENS = 64  # as the CLI's --k: a verification pass of more rows has never paid
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,9 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
         n = raw.get("num_speculative_tokens", 4)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer from 1 to "
+                             f"{MAX_SPECULATIVE_TOKENS}, got {n!r}")
         model = raw.get("model")
         if method == "ngram":
             if model is not None:

@@ -1,0 +1,166 @@
+"""Bad values are refused in one line naming the flag or argument, before any model loads: the CLI's
+flags (argparse errors included), SamplingParams, LLM's arguments, speculative configs, a draft with
+another tokenizer, and prompts that are not valid UTF-8."""
+from __future__ import annotations
+
+import io
+import re
+import sys
+
+import pytest
+from conftest import MODELS
+
+from specee import LLM, SamplingParams, cli
+from specee.drafters import DrafterMismatchError
+
+STORIES, TARGET = MODELS / "stories260K", MODELS / "ref-target-24L"
+needs_models = pytest.mark.skipif(not (STORIES.is_dir() and TARGET.is_dir()),
+                                  reason=f"shared models not found under {MODELS} (../shared is absent)")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("specee: error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    import specee.engine.llm as llm_module
+
+    def never(*_a, **_k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", never)
+
+
+# ---- the command line ------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, needles", [
+    (["generate", "--prompt", "hi", "--draft", "ngram", "--threshold-scale", "nan"], ["--threshold-scale", "'nan'"]),
+    (["generate", "--prompt", "hi", "--seed", str(2**70)], ["--seed", "2**64"]),
+    (["generate", "--prompt", "hi", "--draft", "ngram", "--online-window", "-1"], ["--online-window"]),
+    (["generate", "--prompt", "hi", "--temperature", "-0.5"], ["--temperature"]),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], ["--temperature"]),
+    (["generate", "--prompt", "hi", "--top-p", "0"], ["--top-p"]),
+    (["generate", "--prompt", "hi", "--top-k", "-2"], ["--top-k"]),
+    (["generate"], ["required: --prompt", "specee generate --help"]),
+    (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+    (["bench", "speed", "--threshold-scale", "0"], ["bench speed", "--threshold-scale"]),
+    (["generate", "--prompt", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 100000}'],
+     ["num_speculative_tokens", "100000"]),
+])
+def test_bad_flags_are_one_line_before_any_work(capsys, no_model_loads, argv, needles):
+    code, _, err = run_cli(capsys, *argv)
+    assert_one_line_error(code, err, *needles)
+    assert "usage:" not in err
+
+
+@needs_models
+def test_quantization_that_does_not_fit_names_the_flag(capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", str(STORIES), "--no-chat", "--prompt", "hi",
+                           "--quantization", "int4")
+    err = "\n".join(line for line in err.splitlines() if "building the CPU kernels" not in line)  # a first run's note
+    assert_one_line_error(code, err, "--quantization int4: int4 needs", "--quantization none")
+
+
+@needs_models
+def test_draft_with_another_tokenizer_is_refused_before_weights_load(capsys, monkeypatch, tmp_path):
+    from specee.model.llama import Transformer
+
+    def never(*_a, **_k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(Transformer, "load", never)
+    spec = {"method": "draft_model", "model": str(STORIES), "num_speculative_tokens": 2}
+    with pytest.raises(DrafterMismatchError) as e:
+        LLM(TARGET, speculative_config=spec)
+    assert "8192 vs 512 tokens" in str(e.value) and len(str(e.value)) < 300
+    assert "only in the target" in e.value.details  # the long comparison, on request
+    code, _, err = run_cli(capsys, "generate", "--model", str(TARGET), "--prompt", "hi", "--draft", str(STORIES))
+    assert_one_line_error(code, err, "has another tokenizer than target", "stories260K")
+    code, _, err = run_cli(capsys, "calibrate", "--model", str(TARGET), "--draft", str(STORIES), "-o",
+                           str(tmp_path / "bank"))
+    assert_one_line_error(code, err, "has another tokenizer than target")
+
+
+# ---- Python: SamplingParams and LLM's arguments ------------------------------------------------
+@pytest.mark.parametrize("kwargs, error, needle", [
+    ({"seed": "abc"}, TypeError, "seed"),
+    ({"seed": 2**70}, ValueError, "seed must be in [0, 2**64)"),
+    ({"seed": -1}, ValueError, "seed"),
+    ({"stop": [1, 2]}, TypeError, "stop"),
+    ({"stop": 5}, TypeError, "stop"),
+    ({"temperature": "0.5"}, TypeError, "temperature"),
+    ({"top_p": None}, TypeError, "top_p"),
+    ({"top_k": True}, ValueError, "top_k"),
+    ({"ignore_eos": "yes"}, TypeError, "ignore_eos"),
+])
+def test_sampling_params_are_checked_on_construction(kwargs, error, needle):
+    with pytest.raises(error) as e:
+        SamplingParams(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_stop_none_means_no_stop_strings(tiny_llm):
+    llm = tiny_llm("llama2")
+    assert SamplingParams(stop=None).stop == ()
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=4, stop=None, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("model, kwargs, error, needle", [
+    (None, {}, TypeError, "model must be a path"),
+    (123, {}, TypeError, "model must be a path"),
+    ("x", {"device": "tpu"}, ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    ("x", {"device": "banana"}, ValueError, "device must be"),
+])
+def test_llm_arguments_are_checked_first(model, kwargs, error, needle):
+    with pytest.raises(error) as e:
+        LLM(model, **kwargs)
+    assert needle in str(e.value)
+
+
+def test_cuda_without_cuda_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match="device 'cuda': CUDA is not available"):
+        LLM("x", device="cuda")
+
+
+def test_online_window_and_threshold_scale_checked_in_python():
+    from specee.exit.config import EarlyExitConfig
+
+    with pytest.raises(ValueError, match="threshold_scale must be > 0 and finite, got nan"):
+        EarlyExitConfig(draft="ngram", threshold_scale=float("nan"))
+    with pytest.raises(ValueError, match="online_window must be >= 0"):
+        EarlyExitConfig(draft="ngram", online_window=-1)
+
+
+# ---- prompts that are not valid UTF-8: refused, in the CLI and in Python ---------------------------
+def test_invalid_utf8_prompt_in_argv_and_stdin(capsys, monkeypatch, no_model_loads):
+    code, _, err = run_cli(capsys, "generate", "--prompt", "hi \udcff", "--no-chat")  # argv's surrogateescape
+    assert_one_line_error(code, err, "--prompt is not valid UTF-8: byte 0xff at position 3")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hi \xff\xfe")))
+    code, _, err = run_cli(capsys, "generate", "--prompt", "-", "--no-chat")
+    assert_one_line_error(code, err, "--prompt - (stdin) is not valid UTF-8: byte 0xff at position 3")
+
+
+def test_invalid_utf8_prompt_in_python(tiny_llm):
+    llm = tiny_llm("llama2")
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for bad, needle in (("hi \udcff", "byte 0xff at position 3"), (b"hi \xfe", "byte 0xfe at position 3"),
+                        ("x\ud800", "lone surrogate U+D800 at position 1")):
+        with pytest.raises(ValueError, match=re.escape(f"prompt is not valid UTF-8: {needle}")):
+            llm.generate(bad, params)
+        with pytest.raises(ValueError, match="not valid UTF-8"):
+            llm.tokenizer.encode(bad)
+    assert llm.generate(b"Once upon", params)[0].token_ids == llm.generate("Once upon", params)[0].token_ids
