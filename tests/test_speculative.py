@@ -346,7 +346,7 @@ def test_one_host_read_per_speculative_step(ref, ref_draft, monkeypatch, kind):
 # ---- configuration -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("raw,message", [
     ({"method": "medusa"}, "method must be one of"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer from 1 to 64"),
     ({"method": "draft_model"}, "needs 'model'"),
     ({"method": "draft_model", "model": "/no/such/draft"}, "not found"),
     ({"method": "eagle", "model": "/no/such/head"}, "model directory not found"),

@@ -74,7 +74,7 @@ def check_device(device: str | torch.device) -> torch.device:
 
 def named_drafts(early_exit: EarlyExitConfig | None, speculative_config) -> list[str]:
     """The draft models the configs name (checking the speculative_config on the way)."""
-    from ..spec.config import SpeculativeConfig
+    from ..speculative.config import SpeculativeConfig
 
     drafts = [] if early_exit is None or early_exit.draft in (None, "ngram") else [early_exit.draft]
     if speculative_config is not None:
