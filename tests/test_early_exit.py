@@ -250,3 +250,32 @@ def test_bank_for_another_drafter_is_refused(ref_pair, tmp_path):
     with pytest.raises(ValueError, match="calibrated with drafter"):
         llm.enable_early_exit(EarlyExitConfig(draft=str(real_model_dir("ref-draft-4L")), bank=str(tmp_path / "bank")))
     assert llm.early_exit is None
+
+
+def test_calibration_is_an_explicit_step_not_a_constructor_side_effect(tmp_path, monkeypatch):
+    """LLM(early_exit=...) without a cached bank loads and serves at full depth; `calibrate()` (what the
+    CLI calls, with its progress bars) or the first request makes the bank once; the next LLM finds it."""
+    import specee.calibration as calibration
+
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_calibrate(model, tokenizer, drafter, prompts, *, k, target_fingerprint, **kw):
+        calls.append(drafter.fingerprint)
+        L = model.cfg.num_layers
+        return constant_bank(L, k, [math.inf] * L, target=target_fingerprint, drafter=drafter.fingerprint)
+
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
+    path = make_checkpoint(tmp_path / "m", "llama2", seed=4)
+    config = EarlyExitConfig(draft="ngram")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm = LLM(path, dtype="float32", early_exit=config, progress=False)
+    assert not calls and llm.early_exit is None  # nothing calibrated while constructing
+    assert llm.calibrate() is not None and calls == ["ngram-n3"] and llm.early_exit is not None
+    assert llm.calibrate() is None and len(calls) == 1  # nothing more waits
+    again = LLM(path, dtype="float32", early_exit=config, progress=False)
+    assert again.early_exit is not None and len(calls) == 1  # the cached bank
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path / "other"))
+    first_use = LLM(path, dtype="float32", early_exit=config, progress=False)
+    out = first_use.generate("Once upon a time", params)[0]
+    assert len(calls) == 2 and first_use.early_exit is not None and out.stats.early_exit is not None

@@ -120,6 +120,7 @@ def use_config(llm, config) -> None:
         llm.early_exit = type(cur)(llm.model, cur.drafter, cur.bank, config)
         return
     llm.enable_early_exit(config)
+    llm.calibrate()  # a bank on first use
     llm._bench_decoder = llm.early_exit
 
 

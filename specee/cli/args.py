@@ -273,6 +273,7 @@ def load_llm(args: argparse.Namespace):
         raise CLIError(f"--quantization {quantization}: {e}; --quantization none runs float weights") from None
     if args.quantization:
         note(f"{quantization or 'float'} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
+    llm.calibrate()  # early exit's bank, once per model + drafter, with its progress bars
     if llm.early_exit is not None and (warning := exit_room_note(llm.early_exit.bank.summary)):
         note(warning)
     return llm

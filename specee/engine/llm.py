@@ -151,6 +151,7 @@ class LLM:
         self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
         self._early_exit: EarlyExitDecoder | None = None
         self._speculative = None  # a SpeculativeDecoding (speculative/speculative.py), the engine's decoding
+        self._uncalibrated: tuple[EarlyExitConfig, Drafter] | None = None  # early exit waiting for its bank
         if early_exit is not None:
             self.enable_early_exit(early_exit, speculative_config)
         else:
@@ -208,13 +209,18 @@ class LLM:
         if speculative_config is not None:
             config = merged_config(config, speculative_config)
         drafter = self.make_drafter(config.draft, config.k)
-        if config.bank is not None:
-            bank = PredictorBank.load(config.bank, expect_target=self.fingerprint,
-                                      expect_drafter=drafter.fingerprint, num_layers=self.model.cfg.num_layers)
-        else:
-            bank = self.cached_bank(drafter, config.k)
+        path = config.bank or self.bank_cache_path(drafter, config.k)
+        self._speculative, self._uncalibrated = None, None
+        if config.bank is None and not (path / "manifest.json").exists():
+            self._uncalibrated = (config, drafter)  # `calibrate()`, or the first request, makes the bank
+            self.early_exit = None  # full depth meanwhile
+            return
+        bank = PredictorBank.load(path, expect_target=self.fingerprint, expect_drafter=drafter.fingerprint,
+                                  num_layers=self.model.cfg.num_layers)
+        self._use_bank(config, drafter, bank)
+
+    def _use_bank(self, config: EarlyExitConfig, drafter: Drafter, bank: PredictorBank) -> None:
         drafter.restrict_vocab(bank.draft_vocab)  # the shortlist the predictors were calibrated with
-        self._speculative = None
         self.early_exit = EarlyExitDecoder(self.model, drafter, bank, config)
 
     def bank_cache_path(self, drafter: Drafter, k: int) -> Path:
@@ -225,23 +231,27 @@ class LLM:
         quant = f"-{self.quantization}" if quantized else ""  # quantized weights move the features
         return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{dtype}{quant}-{BANK_RECIPE}"
 
-    def cached_bank(self, drafter: Drafter, k: int) -> PredictorBank:
-        """The bank for this target + drafter from the user's cache, calibrating it on first use."""
-        path = self.bank_cache_path(drafter, k)
-        if (path / "manifest.json").exists():
-            return PredictorBank.load(path, expect_target=self.fingerprint, expect_drafter=drafter.fingerprint,
-                                      num_layers=self.model.cfg.num_layers)
-        # imported here, not at module level: only this first-use path calibrates (the engine never needs it otherwise)
+    def calibrate(self) -> Path | None:
+        """Calibrate the predictor bank that early exit waits for, once (cached for later runs, keyed
+        by `bank_cache_path`); returns its path, or None when nothing waits. The CLI calls it with its
+        progress bars before the first request; `generate` and `stream` call it on first use."""
+        if self._uncalibrated is None:
+            return None
+        config, drafter = self._uncalibrated
+        path = self.bank_cache_path(drafter, config.k)
+        # imported here, not at module level: only this path calibrates (the engine never needs it otherwise)
         from ..calibration import calibrate, load_calibration_prompts
 
         if self.progress:
             print(f"specee: no predictor bank for this model + drafter yet; calibrating once "
                   f"(cached at {path})", file=sys.stderr)
-        bank = calibrate(self.model, self.tokenizer, drafter, load_calibration_prompts(), k=k,
+        bank = calibrate(self.model, self.tokenizer, drafter, load_calibration_prompts(), k=config.k,
                          target_dir=self.model_dir, target_fingerprint=self.fingerprint, eos_ids=self.eos_ids,
                          progress=self.progress)
         bank.save(path)
-        return bank
+        self._uncalibrated = None
+        self._use_bank(config, drafter, bank)
+        return path
 
     # ---- requests -----------------------------------------------------------------------
     def encode(self, prompt: str | bytes | list[int], chat: bool = False) -> list[int]:
@@ -276,6 +286,7 @@ class LLM:
         """Generate for one prompt or a batch (one SamplingParams, or one per prompt). At full depth
         and with lossy early exit the prompts are decoded as one batch, each request with its own
         parameters and generator; speculation and lossless early exit take them in turn."""
+        self.calibrate()
         seqs = self._sequences(prompts, sampling_params, chat)
         for s in seqs:
             self.engine.add_request(s)
@@ -287,6 +298,7 @@ class LLM:
                chat: bool = False) -> Iterator[str]:
         """Yield text as it is produced, in the caller's thread (the decoders are step generators);
         the finished RequestOutput is `self.last_output`. Closing the iterator stops decoding."""
+        self.calibrate()
         (seq,) = self._sequences(prompt, sampling_params, chat)
         self.engine.add_request(seq)
         try:
@@ -302,6 +314,7 @@ class LLM:
 
     def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> list[TeacherForcedStep]:
         """What early exit would emit at each position of a fixed continuation (see EarlyExitDecoder)."""
+        self.calibrate()
         if self.early_exit is None:
             raise ValueError("teacher_forced needs early exit enabled (LLM(..., early_exit=EarlyExitConfig(...)))")
         params = SamplingParams(max_tokens=len(continuation), ignore_eos=True)

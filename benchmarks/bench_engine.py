@@ -1,0 +1,96 @@
+"""Aggregate decode throughput of the engine at several concurrencies, per decoding mode.
+
+For each mode (full depth, speculative configs) and each concurrency c, the same prompts are
+served c at a time (`LLM.generate` over c prompts, greedy, EOS ignored so every request makes
+max_tokens) and one at a time; it reports generated tokens per second of wall time, and each
+ratio within this one run. It uses only `LLM(...)` and `generate`, so it runs on older commits
+too (to compare a change against its parent on the same machine).
+
+    python benchmarks/bench_engine.py --model ../shared/models/smollm2-135m-instruct --prompts 8 \
+        --concurrency 1 4 8 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from specee import LLM, SamplingParams
+
+HOLDOUT = Path(__file__).resolve().parents[2] / "shared" / "data" / "specee_bench"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def holdout_prompts(n: int) -> list[str]:
+    """Prompts from the SpecEE paper's speed sets (none of them used to tune anything here), mixed."""
+    sets = sorted(HOLDOUT.glob("*_question.jsonl"))
+    rows = [[json.loads(line)["turns"][0] for line in f.open()] for f in sets]
+    mixed = [r[i] for i in range(max(map(len, rows))) for r in rows if i < len(r)]
+    return mixed[:n]
+
+
+def serve(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> tuple[float, int]:
+    """Wall seconds and generated tokens serving `prompts`, `concurrency` at a time."""
+    tokens, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        outs = llm.generate(prompts[i:i + concurrency], params, chat=True)
+        tokens += sum(len(o.token_ids) for o in outs)
+    return time.perf_counter() - t0, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "shared" / "models" /
+                                           "smollm2-135m-instruct"))
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--speculative-config", action="append", default=[], type=json.loads)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = holdout_prompts(args.prompts)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization)
+    modes = [("full depth", None)] + [(json.dumps(c, sort_keys=True), c) for c in args.speculative_config]
+    results = []
+    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_tokens} tokens")
+    for name, config in modes:
+        llm.enable_speculative(config)
+        serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
+        row = {"mode": name}
+        for c in args.concurrency:
+            seconds, tokens = serve(llm, prompts, params, c)
+            row[f"c{c}"] = round(tokens / seconds, 2)
+        results.append(row)
+        base = row[f"c{args.concurrency[0]}"]
+        print(f"{name}: " + ", ".join(f"c={c} {row[f'c{c}']} tok/s ({row[f'c{c}'] / base:.2f}x)"
+                                      for c in args.concurrency))
+    if len(results) > 1:
+        for row in results[1:]:
+            print(f"{row['mode']} / full depth: " + ", ".join(
+                f"c={c} {row[f'c{c}'] / results[0][f'c{c}']:.2f}x" for c in args.concurrency))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(),
+                                              "prompts": len(prompts), "max_tokens": args.max_tokens,
+                                              "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
