@@ -1,0 +1,65 @@
+"""Every mode on a GPU (skipped without one; CI has none): the engine core's modes give the CPU's
+greedy tokens, lossless early exit gives full depth's, and the GPU cost benchmark runs with one host
+read per engine step. Run on a lent GPU with `python -m pytest -q -m cuda`."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import Variant, make_checkpoint
+from ee_helpers import AllTokensDrafter, decoder, random_forcing, run
+
+from specee import LLM, SamplingParams
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none)")]
+
+SMALL = Variant("cuda3", "llama", dict(num_hidden_layers=3, num_key_value_heads=2), vocab_padding=8)
+DRAFT = Variant("cuda-draft", "llama", dict(num_hidden_layers=1, num_key_value_heads=2), vocab_padding=8)
+CONFIGS = [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+           {"method": "draft_model", "num_speculative_tokens": 3},
+           {"method": "draft_model", "num_speculative_tokens": 2, "tree": {"topk": 2, "size": 4}}]
+PROMPTS = ["one", "The quick brown fox jumps over the lazy dog", "Tom and his friend went", "two"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda")
+    return make_checkpoint(root / "m", SMALL, seed=2), make_checkpoint(root / "d", DRAFT, seed=2)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["full", "ngram", "draft_model", "draft_tree"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_engine_mode_on_cuda(checkpoints, config, dtype):
+    target, draft = checkpoints
+    if config is not None and config["method"] == "draft_model":
+        config = {**config, "model": str(draft)}
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 5, 9, 3)]
+    cuda = LLM(target, device="cuda", dtype=dtype, speculative_config=config)
+    full = LLM(target, device="cuda", dtype=dtype)
+    together = [o.token_ids for o in cuda.generate(PROMPTS, params)]
+    assert together == [o.token_ids for o in full.generate(PROMPTS, params)]  # lossless, batched
+    if dtype == "float32":
+        cpu = LLM(target, dtype="float32", quantization=None)
+        assert together == [o.token_ids for o in cpu.generate(PROMPTS, params)]
+
+
+def test_lossless_early_exit_on_cuda_equals_full_depth(checkpoints):
+    llm = LLM(checkpoints[0], device="cuda", dtype="float32")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = llm.encode("Once upon a time")
+    full = llm.generate([ids], params)[0].token_ids
+    dec = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size), kv_policy="recompute", mode="lossless",
+                  max_pending=3)
+    seq, _ = run(llm, dec, ids, params, random_forcing(seed=0, rate=0.5))
+    assert seq.output_ids == full
+
+
+def test_gpu_cost_benchmark_reads_the_host_once_per_step():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_cost
+
+    report = gpu_cost.main(["--device", "cuda", "--shape", "tiny", "--tokens", "8", "--repeats", "3"])
+    assert all(d["host_reads_per_step"] == 1.0 for d in report["decode"])
