@@ -13,25 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from specee import LLM, SamplingParams
+from specee.bench.report import cpu_name
 
 HOLDOUT = Path(__file__).resolve().parents[2] / "shared" / "data" / "specee_bench"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def holdout_prompts(n: int) -> list[str]:

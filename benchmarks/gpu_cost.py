@@ -15,13 +15,12 @@ import argparse
 import json
 import math
 import time
-from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from specee.bench.timing import count_host_reads
 from specee.engine.engine import Engine
 from specee.engine.runner import Segment
 from specee.engine.sequence import Sequence
@@ -72,28 +71,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextmanager
-def host_reads():
-    """Counts every read of a tensor's value on the host (each is a device sync on CUDA)."""
-    counts: Counter = Counter()
-    names = ("item", "tolist", "__int__", "__float__", "__bool__")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def wrap(name):
-        def read(self, *a, **kw):
-            counts[name] += 1
-            return saved[name](self, *a, **kw)
-        return read
-
-    for n in names:
-        setattr(torch.Tensor, n, wrap(n))
-    try:
-        yield counts
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-
-
 def engine_decode(model: Transformer, requests: int, prompt: int, tokens: int) -> dict:
     """Decode tokens/s (aggregate) and host reads per step of `requests` concurrent requests."""
     engine = Engine(model, kv_cache_memory=requests * (prompt + tokens + 16))
@@ -106,7 +83,7 @@ def engine_decode(model: Transformer, requests: int, prompt: int, tokens: int) -
     engine.step()  # the prefills
     sync(model.device)
     steps, t0 = 0, time.perf_counter()
-    with host_reads() as reads:
+    with count_host_reads() as reads:
         while engine.has_unfinished():
             engine.step()
             steps += 1

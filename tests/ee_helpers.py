@@ -1,10 +1,8 @@
 """Helpers for the early-exit and lossless tests: controlled drafters, banks and references."""
 from __future__ import annotations
 
-import contextlib
 import math
 import random
-from collections import Counter
 
 import torch
 
@@ -14,6 +12,7 @@ from specee.exit.config import EarlyExitConfig
 from specee.engine.sequence import Sequence
 from specee.exit.controller import ForcedExits
 from specee.exit.bank import PredictorBank
+from specee.bench.timing import count_host_reads  # noqa: F401 (the tests' import point)
 from specee.sampling import SamplingParams
 
 
@@ -99,30 +98,3 @@ def reference_forced_tokens(model, drafter: Drafter, prompt_ids: list[int], n_to
         out.append(token)
         history.append(token)
     return out
-
-
-@contextlib.contextmanager
-def count_host_reads():
-    """Counts every Python-level read of a tensor's value on the host (each is a device sync on CUDA)."""
-    counts = Counter()
-    names = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
-    saved = {n: torch.Tensor.__dict__.get(n) for n in names}
-
-    def wrap(name):
-        base = getattr(torch._C.TensorBase, name)
-
-        def read(self, *a, **kw):
-            counts[name] += 1
-            return base(self, *a, **kw)
-        return read
-
-    for n in names:
-        setattr(torch.Tensor, n, wrap(n))
-    try:
-        yield counts
-    finally:
-        for n, f in saved.items():
-            if f is None:
-                delattr(torch.Tensor, n)
-            else:
-                setattr(torch.Tensor, n, f)

@@ -1,13 +1,17 @@
 """One generation, timed: the `Run` record, the configuration a run is of (`ConfigSpec`), and
 the runners for specee's own `generate` and transformers' `generate` (see speed.py for how the
-runs are scheduled and aggregated)."""
+runs are scheduled and aggregated); `count_host_reads` for what a step reads back."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..clock import device_time
 from .common import BenchError
@@ -93,3 +97,30 @@ def hf_run(model, ids: list[int], max_new_tokens: int, eos_ids: Sequence[int] = 
     new = out[0, len(ids):].tolist()
     first = clock.times[1] if len(clock.times) > 1 else t1
     return Run(len(new), first - t0, t1 - first, max(len(new) - 1, 0), new, None)
+
+
+@contextmanager
+def count_host_reads():
+    """Counts every Python-level read of a tensor's value on the host (each is a device sync on CUDA)."""
+    counts = Counter()
+    names = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+    saved = {n: torch.Tensor.__dict__.get(n) for n in names}
+
+    def wrap(name):
+        base = getattr(torch._C.TensorBase, name)
+
+        def read(self, *a, **kw):
+            counts[name] += 1
+            return base(self, *a, **kw)
+        return read
+
+    for n in names:
+        setattr(torch.Tensor, n, wrap(n))
+    try:
+        yield counts
+    finally:
+        for n, f in saved.items():
+            if f is None:
+                delattr(torch.Tensor, n)
+            else:
+                setattr(torch.Tensor, n, f)

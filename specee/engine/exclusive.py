@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from .scheduler import check_fits
+from .scheduler import check_fits, runnable
 from .sequence import Sequence
 
 
@@ -32,13 +32,8 @@ class ExclusiveEngine:
         check_fits(self.context_limit, len(seq.prompt_ids), seq.params.max_tokens)
 
     def add_request(self, seq: Sequence) -> None:
-        try:
-            self.check(seq)
-        except ValueError as e:
-            seq.fail(str(e))
-            self.failed.append(seq)
-            return
-        self.waiting.append(seq)
+        if runnable(seq, self.check, self.failed):
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting or self.failed)

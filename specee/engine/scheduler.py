@@ -33,6 +33,17 @@ def check_fits(context_limit: int, prompt_len: int, max_tokens: int) -> int:
     return needed
 
 
+def runnable(seq: Sequence, check, failed: list[Sequence]) -> bool:
+    """Whether `check(seq)` passes; if not, the request ends with its error and joins `failed`."""
+    try:
+        check(seq)
+    except ValueError as e:
+        seq.fail(str(e))
+        failed.append(seq)
+        return False
+    return True
+
+
 @dataclass
 class Running:
     """A running request: its sequence, its cache (a run of pool blocks), and its decoding state."""
@@ -65,13 +76,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; one that can never run ends at once with an error (returned by `retire`)."""
-        try:
-            self.check(seq)
-        except ValueError as e:
-            seq.fail(str(e))
-            self.failed.append(seq)
-            return
-        self.waiting.append(seq)
+        if runnable(seq, self.check, self.failed):
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.failed)

@@ -60,7 +60,8 @@ class StepInputs:
 class RaggedInputs:
     """Every layer's inputs for the rows of several sequences in one forward (a ragged batch),
     computed once per step: RoPE rows and cache slots of all rows concatenated, and per sequence
-    (segment) its row count, its own cache and its attention description (a StepInputs)."""
+    (segment) its row count, its own cache and its attention description (a StepInputs); and the
+    per-layer argument lists of the C++ layer, so a layer call builds nothing."""
 
     cos: torch.Tensor  # [1, N, 1, D]
     sin: torch.Tensor
@@ -68,6 +69,15 @@ class RaggedInputs:
     rows: list[int]
     caches: list[KVCache]
     steps: list[StepInputs]
+
+    def __post_init__(self) -> None:
+        self.kv_lens = [s.kv_len for s in self.steps]
+        self.masks = [Transformer._no_mask if s.mask is None else s.mask for s in self.steps]
+        self.causal = [s.causal for s in self.steps]
+        self.chain = [s.chain for s in self.steps]
+        ks, vs = [c.k.unbind(0) for c in self.caches], [c.v.unbind(0) for c in self.caches]
+        self.k_layers = [list(layer) for layer in zip(*ks)]  # [layer][segment]: views, made once per step
+        self.v_layers = [list(layer) for layer in zip(*vs)]
 
 
 class Transformer:
@@ -241,11 +251,8 @@ class Transformer:
         """Decoder layer i on the rows h [1, N, H] of several sequences: the products run once over all
         rows, attention per sequence over its own cache (what the sequence would compute alone)."""
         if self.fast_layers is not None:
-            return self.fast_layers[i].ragged(
-                h, batch.cos, batch.sin, batch.slots, [c.k[i] for c in batch.caches], [c.v[i] for c in batch.caches],
-                batch.rows, [s.kv_len for s in batch.steps],
-                [self._no_mask if s.mask is None else s.mask for s in batch.steps],
-                [s.causal for s in batch.steps], [s.chain for s in batch.steps])
+            return self.fast_layers[i].ragged(h, batch.cos, batch.sin, batch.slots, batch.k_layers[i], batch.v_layers[i],
+                                              batch.rows, batch.kv_lens, batch.masks, batch.causal, batch.chain)
         cfg, w = self.cfg, self.layers[i]
         N, D = h.shape[1], cfg.head_dim
         x = F.rms_norm(h, (cfg.hidden_size,), w.attn_norm, cfg.rms_norm_eps)
