@@ -77,7 +77,10 @@ class RequestHandle:
         text = seq.take_stream_delta()
         if not (ids or text or seq.finished):
             return False
-        self.sink(Delta(self.request_id, ids, text, seq.output() if seq.finished else None, self.tag))
+        try:
+            self.sink(Delta(self.request_id, ids, text, seq.output() if seq.finished else None, self.tag))
+        except Exception:  # noqa: BLE001 -- a consumer gone (its event loop closed) must not end the thread
+            log.exception("specee engine: could not deliver to request %s", self.request_id)
         if seq.finished:
             self.done.set()
         return seq.finished
