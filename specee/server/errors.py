@@ -16,6 +16,9 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
+UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "function-after"})
+
+
 class APIError(Exception):
     """A request the server refuses or cannot serve, answered with `status` in the OpenAI shape."""
 
@@ -38,7 +41,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 def validation_message(err: dict[str, Any]) -> tuple[str, str | None, str]:
     """One line naming the field, the field and an error code, from a pydantic error."""
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # a union's branch appears in the location as its type ("str", "list[TextPart]"): not a field name
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and (p in UNION_TAGS or "[" in p))]
     param = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
@@ -57,7 +61,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(400, *validation_message(e.errors()[0]))
+        errors = e.errors()  # of a union's branches, the one that got furthest names the field
+        return error_response(400, *validation_message(max(errors, key=lambda err: len(err.get("loc", ())))))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
