@@ -1,11 +1,13 @@
 """A live uvicorn server on a free loopback port, in a thread of the test process, and raw HTTP."""
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 
 class LiveServer:
@@ -58,3 +60,19 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+SMOLLM = Path(__file__).resolve().parents[2] / "shared" / "models" / "smollm2-135m-instruct" / \
+    "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@functools.cache
+def smollm_llm():
+    """SmolLM2 on its own 4-bit weights, loaded once per test session (skips when the file is absent)."""
+    import pytest
+
+    from specee import LLM
+
+    if not SMOLLM.exists():
+        pytest.skip(f"SmolLM2 GGUF not available: {SMOLLM} is absent (../shared/models is not mounted)")
+    return LLM(SMOLLM, quantization="auto")

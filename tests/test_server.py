@@ -11,17 +11,16 @@ import sys
 import time
 
 import pytest
-from conftest import MODELS, real_model_dir
+from conftest import real_model_dir
 
 pytest.importorskip("fastapi", reason="the server extra (pip install 'specee[server]') is not installed")
 pytest.importorskip("openai", reason="the openai client (requirements-ci.txt) is not installed")
 
-from server_helpers import LiveServer  # noqa: E402
+from server_helpers import LiveServer, smollm_llm  # noqa: E402
 
 from specee import LLM, SamplingParams  # noqa: E402
 from specee.server import create_app  # noqa: E402
 
-SMOLLM = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?"]
 STORIES = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big", "Tom and Sue",
            "The sun was", "A bird sang", "Mom said", "The cat", "There was a boy", "Sam had a red",
@@ -31,9 +30,7 @@ MODES = {"full_depth": None, "ngram": {"method": "ngram", "num_speculative_token
 
 @pytest.fixture(scope="module")
 def smollm():
-    if not SMOLLM.exists():
-        pytest.skip(f"SmolLM2 GGUF not available: {SMOLLM} is absent (../shared/models is not mounted)")
-    llm = LLM(SMOLLM, quantization="auto")
+    llm = smollm_llm()
     server = LiveServer(create_app(llm, model_name="smollm2"))
     yield llm, server
     server.stop()
