@@ -30,6 +30,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="requests decoded at once; later ones wait (default: 64)")
     g.add_argument("--max-queue", type=positive_int, default=512, metavar="N",
                    help="requests that may wait; beyond it 429 with Retry-After (default: 512)")
+    r = p.add_argument_group("Ray Serve (pip install 'ray[serve]')")
+    r.add_argument("--ray", action="store_true",
+                   help="serve the same app as a Ray Serve deployment: replicas over a Ray cluster (RAY_ADDRESS, "
+                        "else a new local one), restarted by Ray when they die")
+    r.add_argument("--replicas", type=positive_int, default=1, metavar="N",
+                   help="with --ray: engine replicas, one CPU each (default: 1)")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -47,17 +53,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"specee serve needs the server extra ({e.name} is missing): pip install 'specee[server]'") \
             from None
     model_dir = resolve_model_dir(args.model, args.revision)  # a wrong path fails before the server starts
+    app_options = dict(model_name=args.served_model_name or served_name(model_dir), api_key=args.api_key,
+                       max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
+    if args.ray:
+        return serve_on_ray(args, app_options)
     failed: list[str] = []
 
     def on_load_error(message: str) -> None:
         failed.append(message)
         server.should_exit = True
 
-    app = create_app(load=lambda: load_llm(args), model_name=args.served_model_name or served_name(model_dir),
-                     api_key=args.api_key, max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
-                     on_load_error=on_load_error)
+    app = create_app(load=lambda: load_llm(args), on_load_error=on_load_error, **app_options)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=3))
     server.run()
     if failed:
         raise CLIError(failed[0])
+    return 0
+
+
+def serve_on_ray(args: argparse.Namespace, app_options: dict) -> int:
+    try:
+        from ..server.ray_serve import run
+    except ImportError as e:
+        raise CLIError(f"--ray needs Ray Serve ({e.name} is missing): pip install 'ray[serve]'") from None
+    options = {k: v for k, v in vars(args).items() if k != "func"}
+    run(options, app_options, replicas=args.replicas, host=args.host, port=args.port)
     return 0
