@@ -4,6 +4,7 @@ streams, a disconnect that cancels, n choices, tokenize, metrics and the command
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -147,9 +148,9 @@ def test_models_tokenize_detokenize_health_and_metrics(stories):
     assert [m.id for m in server.client().models.list().data] == ["stories"]
     status, _, body = server.request("POST", "/tokenize", {"prompt": "Once upon a time"})
     ids = llm.tokenizer.encode("Once upon a time")
-    assert status == 200 and __import__("json").loads(body)["tokens"] == ids
+    assert status == 200 and json.loads(body)["tokens"] == ids
     status, _, body = server.request("POST", "/detokenize", {"tokens": ids})
-    assert status == 200 and __import__("json").loads(body)["prompt"] == llm.tokenizer.decode(ids)
+    assert status == 200 and json.loads(body)["prompt"] == llm.tokenizer.decode(ids)
     assert server.request("GET", "/health")[0] == 200
     status, headers, text = server.request("GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")

@@ -99,7 +99,6 @@ class EngineThread:
         self._waiting: deque[RequestHandle] = deque()  # submitted, not yet given to the engine
         self._running: dict[str, RequestHandle] = {}  # given to the engine, not yet ended
         self._stopping = False
-        self.steps = 0
         # torch's thread count is per OS thread once set: the caller's setting is copied here before a step
         self.num_threads: int | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -162,7 +161,7 @@ class EngineThread:
     def _abort(self, handle: RequestHandle) -> None:
         seq = handle.seq
         if handle.request_id in self._running:
-            self._guard(lambda: self.engine.abort(seq), [handle])
+            self._guard(lambda: self.engine.abort(seq), [handle], "abort")
             del self._running[handle.request_id]
         else:
             self._waiting.remove(handle)
@@ -178,30 +177,31 @@ class EngineThread:
                 if self.validate is not None:
                     self.validate(seq)
                 self.engine.add_request(seq)
-            if self._guard(add, [handle]) and not handle.seq.finished:
+            if self._guard(add, [handle], "admission") and not handle.seq.finished:
                 self._running[handle.request_id] = handle
             else:
                 handle._emit()
 
     def _step(self) -> None:
-        self.steps += 1
         if self.num_threads and self.num_threads != torch.get_num_threads():
             torch.set_num_threads(self.num_threads)
-        if not self._guard(self.engine.step, list(self._running.values())):
+        if not self._guard(self.engine.step, list(self._running.values()), "step"):
             return
         if not self.engine.has_unfinished():  # nothing left inside: whatever is unfinished was dropped
             for h in self._running.values():
                 if not h.seq.finished:
                     h.seq.fail("the engine dropped this request without finishing it")
 
-    def _guard(self, call: Callable[[], object], handles: list[RequestHandle]) -> bool:
+    def _guard(self, call: Callable[[], object], handles: list[RequestHandle], what: str) -> bool:
         """Run `call`; if it raises, the requests it concerned fail with its message (and leave the engine)."""
         try:
             call()
             return True
         except Exception as e:  # noqa: BLE001 -- a request's error must not end the thread
-            log.exception("specee engine: a request failed")
             message = " ".join(str(e).split()) or type(e).__name__
+            # a refused request is routine; a step that raises is a bug worth its traceback
+            log.warning("specee engine: %s failed for %d request(s): %s", what, len(handles), message,
+                        exc_info=what == "step")
             for h in handles:
                 if h.seq.finished:
                     continue
