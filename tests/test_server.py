@@ -113,6 +113,24 @@ def test_64_concurrent_streams_equal_one_at_a_time(stories):
     assert time.monotonic() - t0 < 60
 
 
+def test_200_streams_at_once_all_finish_through_the_waiting_queue(stories):
+    """More streams than --max-num-seqs (64): the rest wait their turn, none is refused or lost."""
+    _, server = stories
+
+    async def one(client, i: int) -> int:
+        stream = await client.completions.create(model="stories", prompt=STORIES[i % 16], max_tokens=6,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        return [c.usage.completion_tokens async for c in stream if c.usage][0]
+
+    async def main() -> list[int]:
+        async with server.async_client() as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    assert asyncio.run(main()) == [6] * 200
+    assert server.metric("specee:num_requests_waiting") == server.metric("specee:num_requests_running") == 0
+
+
 def test_a_disconnected_stream_is_aborted_within_a_step(smollm):
     _, server = smollm
     client = server.client()
