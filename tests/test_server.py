@@ -1,6 +1,7 @@
 """`specee serve` through the official openai client against a live server on a loopback port:
-greedy texts equal `LLM.generate`'s (streamed or not, in each mode), usage counts, 64 concurrent
-streams, a disconnect that cancels, n choices, tokenize, metrics and the command line."""
+greedy texts equal `LLM.generate`'s (streamed or not; full depth, n-gram and draft-model speculation),
+usage counts, 64 and 200 concurrent streams, a disconnect that cancels, n choices, tokenize, metrics
+and the command line."""
 from __future__ import annotations
 
 import asyncio
@@ -78,6 +79,27 @@ def test_greedy_chat_streamed_and_generate_agree_with_usage(smollm, mode):
         if mode == "ngram":
             assert 0 <= stats["speculative"]["acceptance_rate"] <= 1
     assert server.metric("specee:spec_decode_num_drafts_total") > 0 or mode == "full_depth"
+
+
+@pytest.mark.parametrize("tree", [None, {"topk": 2, "size": 6}])
+def test_draft_model_speculation_served_equals_generate(tree):
+    """Speculative decoding with a draft model (the reference pair), chain and tree."""
+    config = {"method": "draft_model", "model": str(real_model_dir("ref-draft-4L")), "num_speculative_tokens": 3}
+    llm = LLM(real_model_dir("ref-target-24L"), dtype="float32",
+              speculative_config={**config, **({"tree": tree} if tree else {})})
+    server = LiveServer(create_app(llm, model_name="ref"))
+    try:
+        client = server.client()
+        want = llm.generate(QUESTIONS[0], SamplingParams(max_tokens=24), chat=True)[0]
+        messages = [{"role": "user", "content": QUESTIONS[0]}]
+        full = client.chat.completions.create(model="ref", messages=messages, max_tokens=24, temperature=0)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="ref", messages=messages, max_tokens=24, temperature=0, stream=True) if c.choices)
+        assert full.choices[0].message.content == streamed == want.text
+        assert full.model_extra["specee"]["choices"][0]["speculative"]["method"] == "draft_model"
+        assert server.metric("specee:spec_decode_num_accepted_tokens_total") > 0
+    finally:
+        server.stop()
 
 
 def test_greedy_completion_streamed_and_generate_agree(smollm):
