@@ -16,7 +16,7 @@ import pytest
 from conftest import real_model_dir
 
 pytest.importorskip("fastapi", reason="the server extra (pip install 'specee[server]') is not installed")
-pytest.importorskip("openai", reason="the openai client (requirements-ci.txt) is not installed")
+openai = pytest.importorskip("openai", reason="the openai client (requirements-ci.txt) is not installed")
 
 from server_helpers import LiveServer, smollm_llm  # noqa: E402
 
@@ -170,6 +170,19 @@ def test_a_disconnected_stream_is_aborted_within_a_step(smollm):
     assert server.metric("specee:request_success_total", 'finished_reason="abort"') == aborted + 1
 
 
+def test_a_client_that_gives_up_on_a_plain_request_aborts_it(smollm):
+    _, server = smollm
+    aborted = server.metric("specee:request_success_total", 'finished_reason="abort"')
+    with pytest.raises(openai.APITimeoutError):
+        server.client(timeout=1.0).completions.create(model="smollm2", prompt="Write a long story.", max_tokens=4000,
+                                                      temperature=0, extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 5
+    while server.metric("specee:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.metric("specee:num_requests_running") == 0
+    assert server.metric("specee:request_success_total", 'finished_reason="abort"') == aborted + 1
+
+
 def test_n_choices_and_several_prompts(stories):
     llm, server = stories
     client = server.client()
@@ -215,8 +228,6 @@ def test_specee_serve_command():
                              "--served-model-name", "tiny", "--api-key", "k3y"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        import openai
-
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y", max_retries=0)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
