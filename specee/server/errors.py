@@ -39,10 +39,14 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+def is_union_tag(part: object) -> bool:
+    """A union's branch appears in an error's location as its type ("str", "list[TextPart]"), not a field."""
+    return isinstance(part, str) and (part in UNION_TAGS or "[" in part)
+
+
 def validation_message(err: dict[str, Any]) -> tuple[str, str | None, str]:
     """One line naming the field, the field and an error code, from a pydantic error."""
-    # a union's branch appears in the location as its type ("str", "list[TextPart]"): not a field name
-    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and (p in UNION_TAGS or "[" in p))]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not is_union_tag(p)]
     param = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
