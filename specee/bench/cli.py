@@ -239,6 +239,24 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return finish(args, report, sweep_markdown(report), {"pareto.png": plots.plot_pareto})
 
 
+def cmd_serve_bench(args: argparse.Namespace) -> int:
+    from .serve import plot_serve, run_serve_bench, serve_markdown
+
+    servers = dict(server_arg(v) for v in args.server or ["specee=http://127.0.0.1:8000"])
+    prompts = load_prompts(args.prompts, parse_list(args.categories), None, args.total, args.shared)
+    report = run_serve_bench(servers, prompts, concurrency=parse_list(args.concurrency, int), model=args.served_model,
+                             max_tokens=args.max_new_tokens, requests=args.requests, api_key=args.api_key,
+                             ignore_eos=not args.no_ignore_eos)
+    return finish(args, report, serve_markdown(report), {"serve.png": plot_serve})
+
+
+def server_arg(value: str) -> tuple[str, str]:
+    name, sep, url = value.partition("=")
+    if not sep or not url.startswith(("http://", "https://")):
+        raise BenchError(f"--server {value!r}: expected NAME=URL, e.g. specee=http://127.0.0.1:8000")
+    return name, url
+
+
 def add_speculative_bench_args(s: argparse.ArgumentParser) -> None:
     from ..cli.args import speculative_config_arg
 
@@ -258,10 +276,12 @@ def add_speculative_bench_args(s: argparse.ArgumentParser) -> None:
 
 # ---- registration -----------------------------------------------------------------------------
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` (with speed / quality / oracle / sweep) on a subparsers object."""
-    p = subparsers.add_parser("bench", help="benchmarks: speed, quality, oracle bound, threshold sweep",
+    """Register `bench` (with speed / quality / oracle / sweep / serve) on a subparsers object."""
+    p = subparsers.add_parser("bench",
+                              help="benchmarks: speed, quality, oracle bound, threshold sweep, serving load",
                               description="Measure specee: decoding speed, quality under early exit, the oracle "
-                                          "bound of a model + drafter, and threshold/schedule sweeps. Each prints a "
+                                          "bound of a model + drafter, threshold/schedule sweeps, and the load a "
+                                          "server takes (serve). Each prints a "
                                           "Markdown summary; --out DIR also writes report.json, report.md and PNGs.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
 
@@ -317,6 +337,25 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--repeats", type=positive_int, default=1, help="timed runs per prompt and point (default 1)")
     w.add_argument("--warmup", type=non_negative_int, default=1, help="untimed warm-up runs (default 1)")
     w.set_defaults(func=cmd_sweep)
+
+    v = sub.add_parser("serve", help="load on OpenAI-compatible servers: tokens/s, TTFT and ITL per concurrency",
+                       description="Streamed chat completions against running servers (specee serve, "
+                                   "python -m llama_cpp.server, vLLM's api_server) at each concurrency level.")
+    v.add_argument("--server", action="append", metavar="NAME=URL",
+                   help="a server to load (repeatable; default: specee=http://127.0.0.1:8000)")
+    v.add_argument("--served-model", metavar="NAME", default=None,
+                   help="model id to send (default: the server's first)")
+    v.add_argument("--api-key", default=None, help="bearer key for the servers")
+    v.add_argument("--concurrency", default="1,4,16,64", help="concurrency levels (default: 1,4,16,64)")
+    v.add_argument("--requests", type=positive_int, default=None, help="requests per level (default: 2x, at least 8)")
+    v.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per answer (default 128)")
+    v.add_argument("--no-ignore-eos", action="store_true", help="let answers end at end-of-sequence")
+    v.add_argument("--prompts", metavar="FILE", default=None, help="prompt file (default: Spec-Bench)")
+    v.add_argument("--categories", metavar="A,B", default=None, help="only these categories")
+    v.add_argument("--total", type=positive_int, default=64, help="prompts, round-robin over categories (default 64)")
+    v.add_argument("--shared", metavar="DIR", default=None, help="the shared folder (default: ../shared)")
+    v.add_argument("--out", metavar="DIR", default=None, help="write report.json, report.md and serve.png here")
+    v.set_defaults(func=cmd_serve_bench)
     return p
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,11 +26,13 @@ from .engine import DEFAULT_MAX_NUM_SEQS, Engine
 from .exclusive import ExclusiveEngine
 from .sequence import RequestOutput, Sequence
 from .teacher import TeacherForcedStep
+from .worker import EngineThread
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
 
+_WORKER_LOCK = threading.Lock()
 QUANTIZATIONS = (None, "int4", "int8", "auto")
 BANK_RECIPE = "r3"  # r2: the draft model's LM head restricted to a frequency shortlist; r3: exit features in float32
 
@@ -183,6 +186,8 @@ class LLM:
             self.engine = ExclusiveEngine(self._decode, self._batches, self.model.cfg.context_limit)
         else:
             self.engine = Engine(self.model, self.speculative, self.kv_cache_memory, self.max_num_seqs)
+        if getattr(self, "_worker", None) is not None:  # modes switch between requests, none in flight
+            self._worker.engine = self.engine
 
     # ---- speculative decoding (specee.speculative) -----------------------------------------------
     def enable_speculative(self, config: dict | None) -> None:
@@ -283,34 +288,51 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
-        """Generate for one prompt or a batch (one SamplingParams, or one per prompt). At full depth
-        and with lossy early exit the prompts are decoded as one batch, each request with its own
-        parameters and generator; speculation and lossless early exit take them in turn."""
+        """Generate for one prompt or a batch (one SamplingParams, or one per prompt), on the engine
+        thread beside whatever else runs there. A request that fails raises its error here."""
         self.calibrate()
         seqs = self._sequences(prompts, sampling_params, chat)
-        for s in seqs:
-            self.engine.add_request(s)
-        while self.engine.has_unfinished():
-            self.engine.step()
-        return [s.output() for s in seqs]
+        worker = self.worker
+        handles = [worker.submit(s) for s in seqs]
+        try:
+            outputs = [h.result() for h in handles]
+        except BaseException:  # interrupted: the requests stop too
+            for h in handles:
+                worker.abort(h.request_id)
+            raise
+        for h in handles:
+            if h.exception is not None:
+                raise h.exception
+        return outputs
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[str]:
-        """Yield text as it is produced, in the caller's thread (the decoders are step generators);
-        the finished RequestOutput is `self.last_output`. Closing the iterator stops decoding."""
+        """Yield text as the engine thread produces it (streams may be consumed in any order, from any
+        thread); the finished RequestOutput is `self.last_output`. Closing the iterator stops decoding."""
         self.calibrate()
         (seq,) = self._sequences(prompt, sampling_params, chat)
-        self.engine.add_request(seq)
+        handle = self.worker.submit(seq)
         try:
-            while not seq.finished and self.engine.has_unfinished():  # other requests may run on
-                self.engine.step()
-                if delta := seq.take_stream_delta():
-                    yield delta
-            if delta := seq.take_stream_delta():  # another consumer's steps may have finished it
-                yield delta
+            for delta in handle:  # the last delta carries the last text too
+                if delta.text:
+                    yield delta.text
         finally:
-            self.engine.abort(seq)  # a closed stream stops decoding
+            if not handle.done.is_set():  # a closed stream stops decoding, before close() returns
+                self.worker.abort(handle.request_id)
+                handle.done.wait()
+        if handle.exception is not None:
+            raise handle.exception
         self.last_output = seq.output()
+
+    @property
+    def worker(self) -> EngineThread:
+        """The engine thread that owns `self.engine.step()` (started on first use); it decodes with
+        the caller's torch thread count."""
+        with _WORKER_LOCK:
+            if getattr(self, "_worker", None) is None:
+                self._worker = EngineThread(self.engine, validate=lambda s: self.engine.check(s))
+        self._worker.num_threads = torch.get_num_threads()
+        return self._worker
 
     def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> list[TeacherForcedStep]:
         """What early exit would emit at each position of a fixed continuation (see EarlyExitDecoder)."""

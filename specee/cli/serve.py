@@ -1,0 +1,81 @@
+"""`specee serve`: the OpenAI-compatible server (specee/server) under uvicorn, on loopback by default."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from .args import (CLIError, add_early_exit_args, add_model_args, add_speculative_args, load_llm, positive_int,
+                   resolve_model_dir)
+
+API_KEY_ENV = "SPECEE_API_KEY"
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, "
+                                   "/detokenize, /health, /metrics and a chat page at /. Needs the server "
+                                   "extra: pip install 'specee[server]'.")
+    add_model_args(p, fastest=True)
+    add_early_exit_args(p)
+    add_speculative_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                   help=f"require `Authorization: Bearer KEY` on every route but /health and / "
+                        f"(default: ${API_KEY_ENV}, else none)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the checkpoint's directory or file name)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
+                   help="requests decoded at once; later ones wait (default: 64)")
+    g.add_argument("--max-queue", type=positive_int, default=512, metavar="N",
+                   help="requests that may wait; beyond it 429 with Retry-After (default: 512)")
+    r = p.add_argument_group("Ray Serve (pip install 'ray[serve]')")
+    r.add_argument("--ray", action="store_true",
+                   help="serve the same app as a Ray Serve deployment: replicas over a Ray cluster (RAY_ADDRESS, "
+                        "else a new local one), restarted by Ray when they die")
+    r.add_argument("--replicas", type=positive_int, default=1, metavar="N",
+                   help="with --ray: engine replicas, one CPU each (default: 1)")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def served_name(model_dir) -> str:
+    return model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from ..server import create_app
+    except ImportError as e:
+        raise CLIError(f"specee serve needs the server extra ({e.name} is missing): pip install 'specee[server]'") \
+            from None
+    model_dir = resolve_model_dir(args.model, args.revision)  # a wrong path fails before the server starts
+    app_options = dict(model_name=args.served_model_name or served_name(model_dir), api_key=args.api_key,
+                       max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
+    if args.ray:
+        return serve_on_ray(args, app_options)
+    failed: list[str] = []
+
+    def on_load_error(message: str) -> None:
+        failed.append(message)
+        server.should_exit = True
+
+    app = create_app(load=lambda: load_llm(args), on_load_error=on_load_error, **app_options)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=3))
+    server.run()
+    if failed:
+        raise CLIError(failed[0])
+    return 0
+
+
+def serve_on_ray(args: argparse.Namespace, app_options: dict) -> int:
+    try:
+        from ..server.ray_serve import run
+    except ImportError as e:
+        raise CLIError(f"--ray needs Ray Serve ({e.name} is missing): pip install 'ray[serve]'") from None
+    options = {k: v for k, v in vars(args).items() if k != "func"}
+    run(options, app_options, replicas=args.replicas, host=args.host, port=args.port)
+    return 0

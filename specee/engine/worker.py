@@ -1,0 +1,214 @@
+"""The engine thread: one background thread owns `Engine.step()`; any thread submits and aborts.
+
+Only this thread touches the engine (`add_request`, `step`, `abort`): `submit` and `abort` queue
+commands to it. After each step every live request gets a `Delta` (its new token ids and text) on
+its own sink: a thread-safe queue for plain threads, or an asyncio queue fed through
+`loop.call_soon_threadsafe` for a server. A request whose validation, admission or step raises
+ends with `seq.fail(message)`; the thread itself never dies from a request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import RequestOutput, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delta:
+    """What one request produced since its last delta; `output` is set on the last one."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    output: RequestOutput | None = None
+    tag: object = None  # the submitter's label (a choice index), so one sink can serve several requests
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+
+def asyncio_sink(loop: asyncio.AbstractEventLoop, target: asyncio.Queue) -> Callable[[Delta], None]:
+    """A sink that hands deltas to an asyncio queue from the engine thread."""
+    return lambda delta: loop.call_soon_threadsafe(target.put_nowait, delta)
+
+
+class RequestHandle:
+    """One submitted request as its consumer sees it. Iterating it (in any thread) yields its
+    deltas until the last; with a custom sink, the sink gets them instead."""
+
+    def __init__(self, seq: Sequence, sink: Callable[[Delta], None] | None, tag: object):
+        self.seq, self.tag = seq, tag
+        self.request_id = seq.request_id
+        self.exception: BaseException | None = None  # what made it fail, when something raised
+        self._queue: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self.sink = sink or self._queue.put
+        self._sent_ids = 0
+        self.done = threading.Event()
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            delta = self._queue.get()
+            yield delta
+            if delta.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The finished output (blocks until the request ends)."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        return self.seq.output()
+
+    def _emit(self) -> bool:
+        """Hand the consumer what is new (engine thread only); True once the request has ended."""
+        seq = self.seq
+        ids = seq.output_ids[self._sent_ids:]
+        self._sent_ids += len(ids)
+        text = seq.take_stream_delta()
+        if not (ids or text or seq.finished):
+            return False
+        try:
+            self.sink(Delta(self.request_id, ids, text, seq.output() if seq.finished else None, self.tag))
+        except Exception:  # noqa: BLE001 -- a consumer gone (its event loop closed) must not end the thread
+            log.exception("specee engine: could not deliver to request %s", self.request_id)
+        if seq.finished:
+            self.done.set()
+        return seq.finished
+
+
+class EngineThread:
+    """Runs `engine.step()` in a daemon thread while requests are in flight, sleeping otherwise.
+
+    validate(seq): checks run on this thread before `add_request` (a request that cannot run fails
+    alone). max_num_seqs: requests handed to the engine at once; the rest wait here, in order."""
+
+    def __init__(self, engine, validate: Callable[[Sequence], None] | None = None,
+                 max_num_seqs: int | None = None, name: str = "specee-engine"):
+        self.engine, self.validate, self.max_num_seqs = engine, validate, max_num_seqs
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[RequestHandle] = deque()  # submitted, not yet given to the engine
+        self._running: dict[str, RequestHandle] = {}  # given to the engine, not yet ended
+        self._stopping = False
+        # torch's thread count is per OS thread once set: the caller's setting is copied here before a step
+        self.num_threads: int | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- any thread ---------------------------------------------------------------------
+    def submit(self, seq: Sequence, sink: Callable[[Delta], None] | None = None, tag: object = None) -> RequestHandle:
+        handle = RequestHandle(seq, sink, tag)
+        self._commands.put(("submit", handle))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step; it ends with finish_reason "abort" (unless it ended first)."""
+        self._commands.put(("abort", request_id))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the thread after aborting what is in flight."""
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ---- the engine thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._take_commands(block=not (self._running or self._waiting))
+            self._admit()
+            if self._running:
+                self._step()
+            for rid in [rid for rid, h in self._running.items() if h._emit()]:
+                del self._running[rid]
+        for handle in [*self._running.values(), *self._waiting]:
+            self._abort(handle)
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block)
+            while True:
+                self._do(*command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _do(self, what: str, arg) -> None:
+        if what == "submit":
+            self._waiting.append(arg)
+        elif what == "abort":
+            handle = self._running.get(arg) or next((h for h in self._waiting if h.request_id == arg), None)
+            if handle is not None:
+                self._abort(handle)
+        elif what == "stop":
+            self._stopping = True
+
+    def _abort(self, handle: RequestHandle) -> None:
+        seq = handle.seq
+        if handle.request_id in self._running:
+            self._guard(lambda: self.engine.abort(seq), [handle], "abort")
+            del self._running[handle.request_id]
+        else:
+            self._waiting.remove(handle)
+        if not seq.finished:
+            seq.finish_reason = "abort"
+        handle._emit()
+
+    def _admit(self) -> None:
+        while self._waiting and (self.max_num_seqs is None or len(self._running) < self.max_num_seqs):
+            handle = self._waiting.popleft()
+
+            def add(seq=handle.seq) -> None:
+                if self.validate is not None:
+                    self.validate(seq)
+                self.engine.add_request(seq)
+            if self._guard(add, [handle], "admission") and not handle.seq.finished:
+                self._running[handle.request_id] = handle
+            else:
+                handle._emit()
+
+    def _step(self) -> None:
+        if self.num_threads and self.num_threads != torch.get_num_threads():
+            torch.set_num_threads(self.num_threads)
+        if not self._guard(self.engine.step, list(self._running.values()), "step"):
+            return
+        if not self.engine.has_unfinished():  # nothing left inside: whatever is unfinished was dropped
+            for h in self._running.values():
+                if not h.seq.finished:
+                    h.seq.fail("the engine dropped this request without finishing it")
+
+    def _guard(self, call: Callable[[], object], handles: list[RequestHandle], what: str) -> bool:
+        """Run `call`; if it raises, the requests it concerned fail with its message (and leave the engine)."""
+        try:
+            call()
+            return True
+        except Exception as e:  # noqa: BLE001 -- a request's error must not end the thread
+            message = " ".join(str(e).split()) or type(e).__name__
+            # a refused request is routine; a step that raises is a bug worth its traceback
+            log.warning("specee engine: %s failed for %d request(s): %s", what, len(handles), message,
+                        exc_info=what == "step")
+            for h in handles:
+                if h.seq.finished:
+                    continue
+                h.exception = e
+                try:
+                    self.engine.abort(h.seq)
+                except Exception:  # noqa: BLE001 -- the engine may no longer hold it
+                    pass
+                h.seq.fail(message)
+            return False

@@ -1,0 +1,72 @@
+"""What the routes share: the model (loaded in the background, so /health can say 503 meanwhile),
+its engine thread, the metrics, and the admission limit that turns into 429."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from .errors import APIError
+from .metrics import Metrics
+
+log = logging.getLogger("specee.server")
+
+RETRY_AFTER_SECONDS = 1
+
+
+class ServerState:
+    def __init__(self, model_name: str, max_num_seqs: int | None = None, max_queue: int = 512,
+                 api_key: str | None = None):
+        self.model_name, self.max_num_seqs, self.max_queue, self.api_key = model_name, max_num_seqs, max_queue, api_key
+        self.llm = None
+        self.worker = None
+        self.metrics: Metrics | None = None
+        self.load_error: str | None = None
+        self.inflight = 0  # this server's sequences submitted and not yet ended (event loop only)
+        self.ready = threading.Event()
+
+    def attach(self, llm) -> None:
+        """Serve `llm`: its engine thread takes at most max_num_seqs requests at once."""
+        worker = llm.worker
+        worker.max_num_seqs = self.max_num_seqs
+        self.metrics = Metrics(self.model_name, lambda: worker.num_running, lambda: self.num_waiting,
+                               num_layers=llm.model.cfg.num_layers)
+        self.llm, self.worker = llm, worker
+        self.ready.set()
+
+    def load_in_background(self, load: Callable[[], object], on_error: Callable[[str], None] | None = None) -> None:
+        def run() -> None:
+            try:
+                self.attach(load())
+            except Exception as e:  # noqa: BLE001 -- reported on /health and to the caller
+                self.load_error = " ".join(str(e).split()) or type(e).__name__
+                log.error("specee serve: loading the model failed: %s", self.load_error)
+                if on_error is not None:
+                    on_error(self.load_error)
+
+        threading.Thread(target=run, name="specee-load", daemon=True).start()
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, self.inflight - (self.worker.num_running if self.worker else 0))
+
+    def require_ready(self) -> None:
+        if not self.ready.is_set():
+            why = f"loading the model failed: {self.load_error}" if self.load_error else "the model is still loading"
+            raise APIError(503, why, code="model_not_ready", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    def require_model(self, name: str | None) -> None:
+        self.require_ready()
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                           "model", "model_not_found")
+
+    def admit(self, count: int) -> None:
+        """Refuse with 429 when the waiting queue would pass max_queue (with no max_num_seqs, none waits here)."""
+        if self.max_num_seqs is None:
+            return
+        free = max(0, self.max_num_seqs - self.worker.num_running)
+        if self.num_waiting + count - free > self.max_queue:
+            raise APIError(429, f"the server is at capacity ({self.num_waiting} requests waiting, "
+                                f"--max-queue {self.max_queue}); retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})

@@ -1,0 +1,169 @@
+"""Every bad input to `specee serve` gets its status code and the OpenAI error shape naming the
+field; the API key; the body size limit; 429 with Retry-After; 503 while the model loads."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from conftest import real_model_dir
+
+pytest.importorskip("fastapi", reason="the server extra (pip install 'specee[server]') is not installed")
+pytest.importorskip("openai", reason="the openai client (requirements-ci.txt) is not installed")
+
+import openai  # noqa: E402
+from server_helpers import LiveServer  # noqa: E402
+
+from specee import LLM  # noqa: E402
+from specee.server import create_app  # noqa: E402
+
+CHAT = {"model": "stories", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+COMPLETION = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(real_model_dir("stories260K"), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    server = LiveServer(create_app(llm, model_name="stories", max_body_bytes=64 * 1024))
+    yield server
+    server.stop()
+
+
+def with_(base: dict, **fields) -> dict:
+    return {**base, **fields}
+
+
+BAD = [  # (path, body, status, param)
+    ("/v1/completions", b'{"prompt": "x", ', 400, None),
+    ("/v1/completions", b'[1, 2]', 400, None),
+    ("/v1/completions", b'', 400, None),
+    ("/v1/completions", with_(COMPLETION, frobnicate=1), 400, "frobnicate"),
+    ("/v1/completions", with_(COMPLETION, model="gpt-4"), 404, "model"),
+    ("/v1/completions", {"model": "stories"}, 400, "prompt"),
+    ("/v1/completions", with_(COMPLETION, prompt=[]), 400, "prompt"),
+    ("/v1/completions", with_(COMPLETION, prompt=[5, 99999]), 400, "prompt"),
+    ("/v1/completions", with_(COMPLETION, prompt=[5] * 600), 400, "prompt"),
+    ("/v1/completions", with_(COMPLETION, max_tokens=600), 400, "max_tokens"),
+    ("/v1/completions", with_(COMPLETION, max_tokens=0), 400, "max_tokens"),
+    ("/v1/completions", with_(COMPLETION, temperature=-1), 400, "temperature"),
+    ("/v1/completions", with_(COMPLETION, temperature="hot"), 400, "temperature"),
+    ("/v1/completions", with_(COMPLETION, top_p=0), 400, "top_p"),
+    ("/v1/completions", with_(COMPLETION, top_k=-2), 400, "top_k"),
+    ("/v1/completions", with_(COMPLETION, n=0), 400, "n"),
+    ("/v1/completions", with_(COMPLETION, n=17), 400, "n"),
+    ("/v1/completions", with_(COMPLETION, seed=-1), 400, "seed"),
+    ("/v1/completions", with_(COMPLETION, stop=[""]), 400, "stop"),
+    ("/v1/completions", with_(COMPLETION, min_p=0.1), 400, "min_p"),
+    ("/v1/completions", with_(COMPLETION, presence_penalty=0.5), 400, "presence_penalty"),
+    ("/v1/completions", with_(COMPLETION, frequency_penalty=0.5), 400, "frequency_penalty"),
+    ("/v1/completions", with_(COMPLETION, logit_bias={"5": 10}), 400, "logit_bias"),
+    ("/v1/completions", with_(COMPLETION, logprobs=2), 400, "logprobs"),
+    ("/v1/completions", with_(COMPLETION, echo=True), 400, "echo"),
+    ("/v1/completions", with_(COMPLETION, suffix="end"), 400, "suffix"),
+    ("/v1/completions", with_(COMPLETION, best_of=3), 400, "best_of"),
+    ("/v1/completions", with_(COMPLETION, stream_options={"include_usage": True}), 400, "stream_options"),
+    ("/v1/chat/completions", with_(CHAT, messages=[]), 400, "messages"),
+    ("/v1/chat/completions", with_(CHAT, messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.role"),
+    ("/v1/chat/completions", with_(CHAT, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages.0.content.0.type"),
+    ("/v1/chat/completions", CHAT, 400, "messages"),  # stories260K has no chat template
+    ("/v1/chat/completions", with_(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("/v1/chat/completions", with_(CHAT, response_format={"type": "json_schema", "json_schema": {}}), 400,
+     "response_format"),
+    ("/v1/chat/completions", with_(CHAT, logprobs=True), 400, "logprobs"),
+    ("/v1/chat/completions", with_(CHAT, max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("/tokenize", {"model": "stories"}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[3] or b[0]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_its_status_and_the_openai_error_shape(server, path, body, status, param):
+    got, _, raw = server.request("POST", path, body)
+    error = json.loads(raw)["error"]
+    assert got == status, error
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param or (param or "") in (error["param"] or ""), error
+    assert "\n" not in error["message"]
+
+
+def test_the_engine_serves_after_bad_inputs(server):
+    out = server.client().completions.create(model="stories", prompt="Once upon a time", max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_openai_client_sees_typed_errors(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="tool calling is not supported"):
+        client.chat.completions.create(model="stories", messages=CHAT["messages"],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="x")
+
+
+def test_body_size_limit(server):
+    status, _, raw = server.request("POST", "/v1/completions", with_(COMPLETION, prompt="a " * 40_000))
+    assert status == 413 and json.loads(raw)["error"]["code"] == "body_too_large"
+
+
+def test_api_key(llm):
+    server = LiveServer(create_app(llm, model_name="stories", api_key="s3cret"))
+    try:
+        for key in ("wrong", "s3cret-but-longer", "s3cre"):
+            with pytest.raises(openai.AuthenticationError):
+                server.client(api_key=key).models.list()
+        status, headers, _ = server.request("GET", "/metrics")
+        assert status == 401 and headers["www-authenticate"] == "Bearer"
+        assert server.request("GET", "/health")[0] == 200
+        assert server.client(api_key="s3cret").models.list().data[0].id == "stories"
+    finally:
+        server.stop()
+
+
+def test_a_full_queue_answers_429_with_retry_after():
+    llm = LLM(real_model_dir("stories260K"), dtype="float32")  # its own engine thread: max_num_seqs 1
+    server = LiveServer(create_app(llm, model_name="stories", max_num_seqs=1, max_queue=1))
+    long = {"prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+    async def main():
+        async with server.async_client() as client:
+            calls = [client.completions.with_raw_response.create(model="stories", **long) for _ in range(6)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        server.stop()
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert len(served) >= 2 and refused, results
+    assert refused[0].response.headers["retry-after"] == "1" and refused[0].body["code"] == "queue_full"
+
+
+def test_health_is_503_while_loading(llm):
+    loaded = threading.Event()
+
+    def load():
+        loaded.wait(30)
+        return llm
+
+    server = LiveServer(create_app(load=load, model_name="stories"))
+    try:
+        status, _, raw = server.request("GET", "/health")
+        assert status == 503 and json.loads(raw) == {"status": "loading"}
+        status, headers, raw = server.request("POST", "/v1/completions", COMPLETION)
+        assert status == 503 and json.loads(raw)["error"]["code"] == "model_not_ready" and "retry-after" in headers
+        loaded.set()
+        deadline = time.monotonic() + 10
+        while server.request("GET", "/health")[0] == 503 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.client().models.list().data[0].id == "stories"
+    finally:
+        server.stop()

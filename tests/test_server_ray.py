@@ -1,0 +1,84 @@
+"""`specee serve --ray` on a local Ray cluster on loopback: two replicas share the requests; a
+replica killed mid-run is restarted by Ray, and requests sent after the restart succeed."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import Counter
+
+import pytest
+from conftest import real_model_dir
+
+pytest.importorskip("fastapi", reason="the server extra (pip install 'specee[server]') is not installed")
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'ray[serve]')")
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'ray[serve]')")
+
+import openai  # noqa: E402
+
+from specee.cli import build_parser  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray import serve
+
+    from specee.server.ray_serve import run
+
+    port = free_port()
+    args = build_parser().parse_args(["serve", "--model", str(real_model_dir("stories260K")), "--ray",
+                                      "--replicas", "2", "--port", str(port), "--served-model-name", "tiny"])
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="warning",
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    try:
+        run({k: v for k, v in vars(args).items() if k != "func"}, {"model_name": "tiny"}, replicas=2,
+            host="127.0.0.1", port=port, blocking=False)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def ask(client) -> str:
+    """One request; the replica that answered it."""
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="Once upon a time", max_tokens=4,
+                                                      temperature=0)
+    assert raw.parse().usage.completion_tokens == 4
+    return raw.headers["x-specee-replica"]
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    app = serve.status().applications.get("specee")
+    return app.deployments["SpecEEReplica"].replica_states.get("RUNNING", 0) if app else 0
+
+
+def test_two_replicas_share_requests_and_a_killed_one_is_restarted(cluster):
+    served = Counter(ask(cluster) for _ in range(16))
+    assert len(served) == 2, served
+    victim = next(iter(served))
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)  # as a crashed process dies
+    deadline = time.monotonic() + 120
+    while running_replicas() < 2 or victim_alive(victim):
+        assert time.monotonic() < deadline, "Ray did not restart the replica"
+        time.sleep(0.5)
+    after = Counter()
+    while len(after) < 2:  # every request succeeds; the proxy learns of the new replica within seconds
+        assert time.monotonic() < deadline, f"requests reached only {after}"
+        after[ask(cluster)] += 1
+    assert victim not in after, after
+
+
+def victim_alive(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace="serve")
+        return True
+    except ValueError:
+        return False

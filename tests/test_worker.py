@@ -1,0 +1,125 @@
+"""The engine thread (engine/worker.py): streams consumed in any order and from any thread equal
+`generate`'s texts; a failing request ends alone with an error; aborts by id; asyncio consumers."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from conftest import real_model_dir
+
+from specee import LLM, SamplingParams
+from specee.engine.sequence import Sequence
+from specee.engine.worker import asyncio_sink
+from specee.model.kv_cache import ContextLengthError
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big", "Tom and Sue",
+           "The sun was", "A bird sang", "Mom said"]
+PARAMS = SamplingParams(max_tokens=40)
+MODES = {"full_depth": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3}}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def llm(request):
+    return LLM(real_model_dir("stories260K"), dtype="float32", speculative_config=MODES[request.param])
+
+
+@pytest.fixture(scope="module")
+def answers(llm):
+    return [o.text for o in llm.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_streams_consumed_alternately_equal_generate(llm, answers, n):
+    streams = [llm.stream(p, PARAMS) for p in PROMPTS[:n]]
+    texts, live = [""] * n, set(range(n))
+    while live:
+        for i in sorted(live):
+            try:
+                texts[i] += next(streams[i])
+            except StopIteration:
+                live.discard(i)
+    assert texts == answers[:n]
+    assert all(texts)
+
+
+def test_streams_consumed_from_threads_equal_generate(llm, answers):
+    texts = [""] * len(PROMPTS)
+
+    def consume(i: int) -> None:
+        texts[i] = "".join(llm.stream(PROMPTS[i], PARAMS))
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert texts == answers
+
+
+def test_deltas_carry_every_token_id_and_end_with_the_output(llm):
+    handle = llm.worker.submit(Sequence(PROMPTS[0], llm.encode(PROMPTS[0]), PARAMS, llm.tokenizer, llm.eos_ids))
+    deltas = list(handle)
+    out = deltas[-1].output
+    assert out is not None and not any(d.finished for d in deltas[:-1])
+    assert [t for d in deltas for t in d.token_ids] == out.token_ids
+    assert "".join(d.text for d in deltas) == out.text
+
+
+def test_a_request_that_cannot_run_fails_alone_and_the_thread_lives(llm, answers):
+    bad = Sequence([5] * 500, [5] * 500, SamplingParams(max_tokens=50), llm.tokenizer, llm.eos_ids)
+    good = llm.worker.submit(Sequence(PROMPTS[0], llm.encode(PROMPTS[0]), PARAMS, llm.tokenizer, llm.eos_ids))
+    failed = llm.worker.submit(bad)
+    out = failed.result(30)
+    assert out.finish_reason == "error" and "exceeds the model's context" in out.error
+    assert isinstance(failed.exception, ContextLengthError)
+    assert good.result(30).text == answers[0]
+    with pytest.raises(ContextLengthError):
+        llm.generate([[5] * 500], SamplingParams(max_tokens=50))
+    assert llm.generate(PROMPTS[1], PARAMS)[0].text == answers[1]
+
+
+def test_a_step_that_raises_fails_its_requests_and_later_ones_run(llm, answers, monkeypatch):
+    real = llm.engine.step
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("kernel exploded")
+        return real()
+
+    monkeypatch.setattr(llm.engine, "step", broken)
+    handle = llm.worker.submit(Sequence(PROMPTS[0], llm.encode(PROMPTS[0]), PARAMS, llm.tokenizer, llm.eos_ids))
+    out = handle.result(30)
+    assert out.finish_reason == "error" and out.error == "kernel exploded"
+    assert not llm.engine.has_unfinished()
+    assert llm.generate(PROMPTS[1], PARAMS)[0].text == answers[1]
+
+
+def test_abort_by_request_id(llm):
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    handle = llm.worker.submit(Sequence(PROMPTS[0], llm.encode(PROMPTS[0]), long, llm.tokenizer, llm.eos_ids))
+    next(iter(handle))  # it runs
+    llm.worker.abort(handle.request_id)
+    out = handle.result(30)
+    assert out.finish_reason == "abort" and len(out.token_ids) < 200
+    assert not llm.engine.has_unfinished()
+
+
+def test_asyncio_consumers_share_one_queue(llm, answers):
+    async def main() -> list[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        sink = asyncio_sink(asyncio.get_running_loop(), queue)
+        for i, p in enumerate(PROMPTS[:4]):
+            llm.worker.submit(Sequence(p, llm.encode(p), PARAMS, llm.tokenizer, llm.eos_ids), sink, tag=i)
+        texts, left = [""] * 4, 4
+        while left:
+            delta = await asyncio.wait_for(queue.get(), 30)
+            texts[delta.tag] += delta.text
+            left -= delta.finished
+        return texts
+
+    assert asyncio.run(main()) == answers[:4]
