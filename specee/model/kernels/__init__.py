@@ -6,9 +6,10 @@
 - `int4_matmul.cpp`: int4 weights times bf16 activations with AVX-512 BF16 dot products, the
   arithmetic of PyTorch's int4 kernel, which spends more time widening weights than reading them.
 
-Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s, cached by
-torch). Without a compiler, or with SPECEE_CPU_KERNELS=0, `cpu_kernels()` is None: every layer
-runs in Python and int4 goes through PyTorch's kernel.
+Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s), once per
+content of these sources (build.py: checkouts with identical sources share one build). Without a
+compiler, or with SPECEE_CPU_KERNELS=0, `cpu_kernels()` is None: every layer runs in Python and
+int4 goes through PyTorch's kernel.
 """
 from __future__ import annotations
 
@@ -18,9 +19,16 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from . import build
+
 HERE = Path(__file__).parent
-SOURCES = [HERE / "decode_layer.cpp", HERE / "int4_matmul.cpp"]
-NAME = "specee_cpu_kernels_v4"  # a new name for a changed ABI: torch rebuilds on source changes anyway
+PREFIX = "specee_cpu_kernels"  # the build's name is this plus a hash of the sources and flags
+CFLAGS = ["-O3"]
+
+
+def sources(folder: Path = HERE) -> list[Path]:
+    """The C++ files (sources and headers) the kernels are built from."""
+    return sorted(folder.glob("*.cpp")) + sorted(folder.glob("*.h"))
 
 
 def cpu_kernels() -> ModuleType | None:
@@ -39,13 +47,7 @@ def int4_kernel() -> ModuleType | None:
 @functools.cache
 def _build() -> ModuleType | None:
     try:
-        from torch.utils import cpp_extension
-
-        built = Path(cpp_extension._get_build_directory(NAME, False)) / f"{NAME}.so"
-        if not built.exists():
-            print("specee: building the CPU kernels for this machine (once, about 40 s)", file=sys.stderr)
-        return cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=["-O3"],
-                                  extra_include_paths=[str(HERE)], verbose=False)
+        return build.load(PREFIX, sources(), CFLAGS, what="CPU kernels (about 40 s)")
     except Exception as e:  # no compiler or ninja, a failed build: the Python layer serves
         first = (str(e).strip().splitlines() or [""])[0][:160]
         print(f"specee: CPU kernels unavailable ({type(e).__name__}: {first}); using the Python layer",
