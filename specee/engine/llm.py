@@ -25,6 +25,7 @@ from .engine import Engine
 from .full_depth import decode_full_depth
 from .sequence import RequestOutput, Sequence
 from .teacher import TeacherForcedStep
+from .threads import ThreadPolicy, check_threads
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -87,11 +88,16 @@ class LLM:
     {"method": "eagle" | "draft_model" | "ngram", "model": DIR, "num_speculative_tokens": N}.
     Both together: SpecEE's exits inside the verification passes (the early-exit drafter drafts
     the chains: method "ngram" with draft "ngram", or "draft_model" with the same model).
+    threads: CPU threads (torch's setting, process-wide); None: the fastest of a few counts, timed on
+    one decode step at load and rechecked between requests (engine/threads.py: it keeps the speed
+    when another process is busy).
     """
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                  early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
-                 quantization: str | None = None, speculative_config: dict | None = None):
+                 quantization: str | None = None, speculative_config: dict | None = None,
+                 threads: int | None = None):
+        threads = check_threads(threads)
         self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
         dev = torch.device(device)
         if quantization not in QUANTIZATIONS:
@@ -103,6 +109,7 @@ class LLM:
             raise ValueError(f"{self.model_dir}: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
                              f"only {self.model.cfg.vocab_size} embedding rows")
         self.eos_ids = load_eos_ids(self.model_dir, self.model, self.tokenizer)
+        self.threads = ThreadPolicy(self.model, threads)  # .choice: the count (and timings if measured)
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
         self.engine = Engine(self._decode, batched=self._batches)
@@ -192,7 +199,11 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        return [Sequence(p, self.encode(p, chat), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
+        seqs = [Sequence(p, self.encode(p, chat), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
+        threads = self.threads.refresh()
+        for s in seqs:
+            s.stats.threads, s.stats.thread_probe_ms = threads.threads, dict(threads.step_ms) or None
+        return seqs
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
