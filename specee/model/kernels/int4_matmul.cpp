@@ -178,6 +178,20 @@ void block_portable(const uint8_t* w, const uint16_t* sz, const float* xf, const
   }
 }
 
+// R rows of one 64-output block at `level`.
+template <int R>
+void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xf,
+             const float* xs, int64_t K, float* y, int64_t N) {
+  if (level == kAvx512) block_avx512<R>(w, sz, xp, xs, K, y, N);
+  else if (level == kAvx2) block_avx2<R>(w, sz, xf, xs, K, y, N);
+  else block_portable<R>(w, sz, xf, xs, K, y, N);
+}
+
+// Rows sharing one unpacking of a weight tile: more did not pay (BENCHMARKS.md, "int4 kernel
+// levels"): past 4 rows the dot products, not the unpacking, take the time.
+constexpr int kMaxRows = 4;
+constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr, rows_at<1>, rows_at<2>, rows_at<3>, rows_at<4>};
+
 int64_t best_level() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"))
     return kAvx512;
@@ -217,28 +231,17 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     std::copy(xc.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>() + M * K, xb.begin());
   for (int64_t i = 0; i < M * K; ++i) sums[i / kGroup] += static_cast<float>(xb[i]);
   std::copy(xb.begin(), xb.begin() + xf.size(), xf.begin());
-  at::Tensor y = level == kAvx512 ? at::empty({M, N}, at::kFloat) : at::zeros({M, N}, at::kFloat);
+  at::Tensor y = level == kAvx512 ? at::empty({M, N}, at::kFloat) : at::zeros({M, N}, at::kFloat);  // avx2, portable add
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data());
-  const float* xs = sums.data();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* wb = w + b * (K / 4) * 128;
-      const uint16_t* sb = sz + b * G * 128;
-      int64_t r = 0;
-      auto rows = [&](auto avx512, auto avx2, auto portable) {
-        float* yb = out + r * N + b * 64;
-        if (level == kAvx512) avx512(wb, sb, xp + r * (K / 2), xs + r * G, K, yb, N);
-        else if (level == kAvx2) avx2(wb, sb, xf.data() + r * K, xs + r * G, K, yb, N);
-        else portable(wb, sb, xf.data() + r * K, xs + r * G, K, yb, N);
-      };
-      for (; r + 4 <= M; r += 4) rows(block_avx512<4>, block_avx2<4>, block_portable<4>);
-      if (M - r == 3) rows(block_avx512<3>, block_avx2<3>, block_portable<3>);
-      if (M - r == 2) rows(block_avx512<2>, block_avx2<2>, block_portable<2>);
-      if (M - r == 1) rows(block_avx512<1>, block_avx2<1>, block_portable<1>);
-    }
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < M; r += kMaxRows)
+        kRows[std::min<int64_t>(kMaxRows, M - r)](level, w + b * (K / 4) * 128, sz + b * G * 128, xp + r * (K / 2),
+                                                  xf.empty() ? nullptr : xf.data() + r * K, sums.data() + r * G, K,
+                                                  out + r * N + b * 64, N);
   });
   return y;
 }
