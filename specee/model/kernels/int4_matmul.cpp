@@ -123,18 +123,22 @@ SPECEE_AVX2 __attribute__((always_inline)) inline void finish_avx2(const uint16_
 }
 
 // As block_avx512 with xf: the rows' bf16 activations widened to float32 [R][K], and y zeroed.
-// Eight outputs at a time (half a tile: 16 bytes per 4 inputs), summed per group in registers.
-template <int R>
+// Eight outputs at a time (half a tile: 16 bytes per 4 inputs), summed per group in registers;
+// J such halves side by side, so that few rows still give several independent chains of FMAs
+// (one chain waits on each FMA's latency: a single row ran at a third of the speed).
+template <int R, int J = (R <= 2 ? 4 : 1)>
 SPECEE_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const float* xf, const float* xs, int64_t K,
                             float* y, int64_t N) {
   const int64_t G = K / kGroup;
   for (int64_t g = 0; g < G; ++g) {
-    for (int j = 0; j < 8; ++j) {
-      __m256 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int j0 = 0; j0 < 8; j0 += J) {
+      __m256 acc[J][R];
+      for (int j = 0; j < J; ++j)
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
       for (int c = 0; c < kGroup / 4; ++c)
-        half_avx2<R>(w + (g * (kGroup / 4) + c) * 128 + j * 16, xf + g * kGroup + c * 4, K, acc);
-      finish_avx2<R>(sz + g * 128 + j * 8, xs + g, G, acc, y + j * 8, N);
+        for (int j = 0; j < J; ++j)
+          half_avx2<R>(w + (g * (kGroup / 4) + c) * 128 + (j0 + j) * 16, xf + g * kGroup + c * 4, K, acc[j]);
+      for (int j = 0; j < J; ++j) finish_avx2<R>(sz + g * 128 + (j0 + j) * 8, xs + g, G, acc[j], y + (j0 + j) * 8, N);
     }
   }
 }
