@@ -100,6 +100,10 @@ def test_the_choice_is_measured_again_between_requests_once_due(monkeypatch):
     monkeypatch.setattr(ThreadPolicy, "RECHECK_SECONDS", 0.0)
     llm.generate("Once", SamplingParams(max_tokens=2))
     assert llm.threads.choice is not first and set(llm.threads.choice.step_ms) == {1, 2}  # the ceiling is kept
+    held = llm.threads.choice
+    llm.threads.hold()  # what `specee bench` does after loading
+    llm.generate("Once", SamplingParams(max_tokens=2))
+    assert llm.threads.choice is held
 
 
 @needs_stories

@@ -113,8 +113,10 @@ def load_target(args: argparse.Namespace, model: Path):
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise BenchError(f"--device {args.device}: CUDA is not available (torch {torch.__version__})")
-    return LLM(model, device=args.device, dtype=args.dtype, progress=not args.no_progress,
-               quantization=quantization_mode(args), threads=args.threads)
+    llm = LLM(model, device=args.device, dtype=args.dtype, progress=not args.no_progress,
+              quantization=quantization_mode(args), threads=args.threads)
+    llm.threads.hold()  # measured once at load: every configuration then runs with that count
+    return llm
 
 
 def prompts_from(args: argparse.Namespace):

@@ -95,6 +95,10 @@ class ThreadPolicy:
         self.checked = -float("inf")
         self.refresh()
 
+    def hold(self) -> None:
+        """Keep the count chosen so far (a benchmark compares configurations under one count)."""
+        self.auto = False
+
     def refresh(self) -> ThreadChoice:
         """Re-measure when automatic and due; the choice in force."""
         if self.auto and time.monotonic() - self.checked >= self.RECHECK_SECONDS:
