@@ -4,7 +4,7 @@ torch's threads meet at a barrier in every parallel region, so when another proc
 descheduled thread stalls the rest: on a 2-core AMD EPYC with one busy process, SmolLM2 Q4_1 decoded
 57-76 tokens/s with 2 threads and 230-257 with 1 (idle: 206-219 and 217-226). Where no number is
 given, one decode step is timed with 1, all-but-one and all threads, interleaved, and the fastest
-median wins (BENCHMARKS.md, "Threads"). torch's thread count is one per process: the counts tried
+median wins (BENCHMARKS.md, "int4 kernel levels, threads on a busy machine"). torch's thread count is one per process: the counts tried
 go up to its setting when the LLM is built, and the LLM leaves it at the count chosen.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ ROUNDS = (3, 7)  # interleaved rounds per thread count: at least, at most
 class ThreadChoice:
     threads: int
     step_ms: dict[int, float] = field(default_factory=dict)  # median probe step per count tried; {} if given
-
 
 
 def check_threads(threads) -> int | None:
