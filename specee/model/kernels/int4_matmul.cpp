@@ -19,7 +19,10 @@
 #include "int4_matmul.h"
 
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#define SPECEE_X86 1  // the vector paths; elsewhere only the portable one is built
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -32,6 +35,7 @@ constexpr int64_t kGroup = 32;
 enum Level : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 std::atomic<int64_t> g_level{-1};  // -1: the best this CPU runs, read on first use
 
+#ifdef SPECEE_X86
 #define SPECEE_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 SPECEE_BF16 inline __m512 bf16_to_float(const uint16_t* p) {
@@ -142,6 +146,7 @@ SPECEE_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const float* x
     }
   }
 }
+#endif  // SPECEE_X86
 
 float bf16_to_float(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
@@ -186,9 +191,11 @@ void block_portable(const uint8_t* w, const uint16_t* sz, const float* xf, const
 template <int R>
 void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xf,
              const float* xs, int64_t K, float* y, int64_t N) {
-  if (level == kAvx512) block_avx512<R>(w, sz, xp, xs, K, y, N);
-  else if (level == kAvx2) block_avx2<R>(w, sz, xf, xs, K, y, N);
-  else block_portable<R>(w, sz, xf, xs, K, y, N);
+#ifdef SPECEE_X86
+  if (level == kAvx512) return block_avx512<R>(w, sz, xp, xs, K, y, N);
+  if (level == kAvx2) return block_avx2<R>(w, sz, xf, xs, K, y, N);
+#endif
+  block_portable<R>(w, sz, xf, xs, K, y, N);
 }
 
 // Rows sharing one unpacking of a weight tile: more did not pay (BENCHMARKS.md, "int4 kernel
@@ -197,9 +204,11 @@ constexpr int kMaxRows = 4;
 constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr, rows_at<1>, rows_at<2>, rows_at<3>, rows_at<4>};
 
 int64_t best_level() {
+#ifdef SPECEE_X86
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"))
     return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
   return kPortable;
 }
 
