@@ -61,3 +61,7 @@ def test_a_build_says_so_and_a_second_tree_with_the_same_sources_does_not_rebuil
     assert again.returncode == 0 and again.stdout.strip() == "42"
     assert "building" not in again.stderr and so.stat().st_mtime_ns == stamp
     assert len(list(ext.glob("tiny_*"))) == 1
+    (copy,) = ext.glob("tiny_*/src/tiny.cpp")  # what the build reads: touched, ninja rebuilds, and says so
+    os.utime(copy, ns=(stamp + 10**9, stamp + 10**9))
+    touched = load_in_subprocess(second, ext)
+    assert touched.returncode == 0 and "specee: rebuilt the C++ extension" in touched.stderr

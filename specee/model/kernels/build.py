@@ -5,7 +5,8 @@ or include paths in its ninja file change: two checkouts sharing the extension c
 other's kernels on every run (25 s instead of 2 s). Here the name carries a hash of the sources'
 bytes, the flags and the torch/Python versions, and the sources are compiled from a copy inside the
 build directory, so identical sources give one build command whatever their path, and different
-sources never share a directory. A build that is about to happen says so on stderr.
+sources never share a directory. A build that is about to happen says so on stderr (and one that
+ninja starts on its own, on a newer source or header, says so when it is done).
 """
 from __future__ import annotations
 
@@ -47,11 +48,23 @@ def load(prefix: str, sources: list[Path], cflags: list[str], what: str = "C++ e
     root = build_dir(name)
     src = root / "src"
     copies = [_place(s, src) for s in sources]  # the build reads these, so its command names no checkout
-    if not (root / f"{name}.so").exists():
+    so = root / f"{name}.so"
+    before = _stamp(so)
+    if before is None:
         print(f"specee: building the {what} for this machine, once for these sources, in {root}",
               file=sys.stderr, flush=True)
-    return cpp_extension.load(name, [str(c) for c in copies if c.suffix == ".cpp"], extra_cflags=cflags,
-                              extra_include_paths=[str(src)], build_directory=str(root), verbose=False)
+    module = cpp_extension.load(name, [str(c) for c in copies if c.suffix == ".cpp"], extra_cflags=cflags,
+                                extra_include_paths=[str(src)], build_directory=str(root), verbose=False)
+    if before is not None and _stamp(so) != before:  # ninja found something newer (torch's headers?)
+        print(f"specee: rebuilt the {what} in {root}", file=sys.stderr, flush=True)
+    return module
+
+
+def _stamp(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
 
 
 def _place(source: Path, folder: Path) -> Path:
