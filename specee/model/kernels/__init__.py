@@ -80,7 +80,7 @@ def _level_from_env() -> None:
 @functools.cache
 def _build() -> ModuleType | None:
     try:
-        return build.load(PREFIX, sources(), CFLAGS, what="CPU kernels (about 40 s)")
+        return build.load(PREFIX, sources(), CFLAGS, what="CPU kernels", duration="; about 40 s")
     except Exception as e:  # no compiler or ninja, a failed build: the Python layer serves
         first = (str(e).strip().splitlines() or [""])[0][:160]
         print(f"specee: CPU kernels unavailable ({type(e).__name__}: {first}); using the Python layer",

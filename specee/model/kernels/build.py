@@ -40,7 +40,8 @@ def build_dir(name: str) -> Path:
     return Path(cpp_extension._get_build_directory(name, False))
 
 
-def load(prefix: str, sources: list[Path], cflags: list[str], what: str = "C++ extension") -> ModuleType:
+def load(prefix: str, sources: list[Path], cflags: list[str], what: str = "C++ extension",
+         duration: str = "") -> ModuleType:
     """Build (if this content has no build yet) and import the extension; raises what torch raises."""
     from torch.utils import cpp_extension
 
@@ -51,7 +52,7 @@ def load(prefix: str, sources: list[Path], cflags: list[str], what: str = "C++ e
     so = root / f"{name}.so"
     before = _stamp(so)
     if before is None:
-        print(f"specee: building the {what} for this machine, once for these sources, in {root}",
+        print(f"specee: building the {what} for this machine (once for these sources{duration}) in {root}",
               file=sys.stderr, flush=True)
     module = cpp_extension.load(name, [str(c) for c in copies if c.suffix == ".cpp"], extra_cflags=cflags,
                                 extra_include_paths=[str(src)], build_directory=str(root), verbose=False)
