@@ -6,10 +6,10 @@ Tolerance of a product: the kernels take bf16 activations, may round the dequant
 bf16 on the way (AVX512-BF16 dot products) and return bf16. So y is compared with x (rounded
 to bf16, as the kernel sees it) times the float32 dequantized weight, per output within
 2^-7 * sum_k |x_k W_nk| (a few bf16 roundings of every term, whatever the cancellation) plus
-2^-8 |y| (the output's rounding). specee's own int4 kernel (model/kernels/int4_matmul.cpp, where
-the CPU has AVX-512 BF16) multiplies the same bf16 x by the exact weights in float32 and returns
-float32: it is held to float32 error, 2^-10 * sum_k |x_k| s_nk (its per-group sums carry 136 s
-per weight, exact products, float32 additions).
+2^-8 |y| (the output's rounding). specee's own int4 kernel (model/kernels/int4_matmul.cpp, at
+each level this CPU runs: AVX-512 BF16, AVX2, portable) multiplies the same bf16 x by the exact
+weights in float32 and returns float32: it is held to float32 error, 2^-10 * sum_k |x_k| s_nk
+(its per-group sums carry at most 136 s per weight, exact products, float32 additions).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import GGML_QUANT_SIZES, dequantize
 
+from specee.model import kernels
 from specee.model.kernels import int4_kernel
 from specee.model.llama import Transformer
 from specee.model.gguf_blocks import GGUFWeight, gguf_int4_codes
@@ -37,7 +38,7 @@ def assert_kernel_matches(lin, x: torch.Tensor) -> None:
         ref = ref + lin.bias
     y = lin(x)
     assert y.dtype == x.dtype and y.shape == ref.shape
-    if getattr(lin, "bf16_kernel", None) is not None:
+    if getattr(lin, "kernel", None) is not None:
         steps = lin.scales.float().repeat_interleave(lin.group, dim=1)
         bound = 2 ** -10 * (xb.abs() @ steps.t()) + 1e-6
     else:
@@ -48,15 +49,15 @@ def assert_kernel_matches(lin, x: torch.Tensor) -> None:
 @pytest.mark.parametrize("mode,out", [("int4", 96), ("int4", 128), ("int8", 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_quantized_linear_matches_its_dequantized_weight(mode, out, bias):
-    """int4 with 96 outputs runs PyTorch's kernel; with 128 (a multiple of 64) specee's where this
-    CPU has AVX-512 BF16."""
+    """int4 with 96 outputs runs PyTorch's kernel; with 128 (a multiple of 64) specee's where its
+    kernels build."""
     torch.manual_seed(0)
     w = torch.randn(out, 128) * 0.1
     b = torch.randn(out) if bias else None
     lin = linear_from_parts([w[:32], w[32:]], b, mode, CPU, torch.float32, keep_rows=True)  # fused from two parts
     assert isinstance(lin, Int4Linear if mode == "int4" else Int8Linear)
     if mode == "int4":
-        assert (lin.bf16_kernel is not None) == (out % 64 == 0 and int4_kernel() is not None)
+        assert (lin.kernel is not None) == (out % 64 == 0 and int4_kernel() is not None)
     W = lin.dequantize()
     # the quantization itself: within half a step of the float weight, and not the float weight
     if mode == "int4":
@@ -85,32 +86,91 @@ def test_int4_rows_without_kept_nibbles_come_back_through_the_kernel(out):
     torch.testing.assert_close(packed_only.dequantize(), kept.dequantize(), rtol=0, atol=0)
 
 
+def reachable_levels() -> list[str]:
+    kernel = int4_kernel()
+    return [] if kernel is None else list(kernels.LEVELS[: kernel.int4_best_level() + 1])
+
+
+@pytest.fixture(params=kernels.LEVELS)
+def level(request):
+    """Run the int4 kernel at each level this CPU runs (AVX-512 BF16 machines reach all three)."""
+    if request.param not in reachable_levels():
+        pytest.skip(f"the int4 kernel's {request.param} path does not run on this CPU (or it is not built)")
+    before = kernels.use_level(request.param)
+    yield request.param
+    kernels.use_level(before)
+
+
 @torch.inference_mode()
-def test_the_bf16_int4_kernel_on_a_large_product_and_many_rows(monkeypatch):
-    """Several groups and 64-output blocks, every row count the kernel handles apart (1-4, and 4 + 1..3
-    for the blocks of four and what is left), an outlier input, zeros; each row's output is the same
-    bit for bit whatever rows share its call (what keeps speculative verification equal to one-token
-    decoding); and SPECEE_CPU_KERNELS=0 puts the same weights back on PyTorch's kernel."""
-    if int4_kernel() is None:
-        pytest.skip("no AVX-512 BF16 on this CPU, or the CPU kernels could not be built")
+def test_the_int4_kernel_on_a_large_product_and_1_to_8_rows(level, monkeypatch):
+    """Several groups and 64-output blocks, every row count 1-8 (blocks of four and what is left),
+    an outlier input, zeros; each row's output is the same bit for bit whatever rows share its call
+    (what keeps speculative verification equal to one-token decoding); and SPECEE_CPU_KERNELS=0 puts
+    the same weights back on PyTorch's kernel."""
     torch.manual_seed(2)
     w = torch.randn(320, 1024) * 0.05
     lin = Int4Linear.from_float(w)
-    assert lin.bf16_kernel is not None
-    x = torch.randn(7, 1024)
+    assert lin.kernel is not None and kernels.LEVELS[lin.kernel.int4_level()] == level
+    x = torch.randn(8, 1024)
     x[0, 7] = 40.0
-    for rows in (1, 2, 3, 4, 5, 6, 7):
+    for rows in range(1, 9):
         assert_kernel_matches(lin, x[:rows])
     together = lin(x)
-    assert all(torch.equal(lin(x[i : i + 1])[0], together[i]) for i in range(7))
-    assert torch.equal(lin(x[2:5]), together[2:5])
+    assert all(torch.equal(lin(x[i : i + 1])[0], together[i]) for i in range(8))
+    assert torch.equal(lin(x[2:5]), together[2:5]) and torch.equal(lin(x[3:8]), together[3:8])
+    assert torch.equal(lin(x.to(torch.bfloat16)), together.to(torch.bfloat16))  # bf16 in: the same products
     assert torch.equal(lin(torch.zeros(1, 1024)), torch.zeros(1, 320))
     monkeypatch.setenv("SPECEE_CPU_KERNELS", "0")
     plain = Int4Linear.from_float(w)
-    assert plain.bf16_kernel is None
+    assert plain.kernel is None
     torch.testing.assert_close(plain.dequantize(), lin.dequantize(), rtol=0, atol=0)
     # the two kernels agree within the bf16 output rounding PyTorch's applies
     torch.testing.assert_close(plain(x), together, rtol=2 ** -7, atol=1e-3)
+
+
+@torch.inference_mode()
+def test_the_int4_levels_differ_only_in_float32_summation_order():
+    levels = reachable_levels()
+    if len(levels) < 2:
+        pytest.skip("one int4 kernel level on this CPU")
+    torch.manual_seed(3)
+    lin = Int4Linear.from_float(torch.randn(192, 2048) * 0.05)
+    x = torch.randn(5, 2048)
+    before = kernels.use_level(levels[0])
+    try:
+        outs = {}
+        for name in levels:
+            kernels.use_level(name)
+            outs[name] = lin(x)
+    finally:
+        kernels.use_level(before)
+    steps = lin.scales.float().repeat_interleave(32, dim=1)
+    bound = 2 ** -16 * (x.to(torch.bfloat16).float().abs() @ steps.t()) * 136  # a few ulp of the sums' terms
+    for name in levels[1:]:
+        assert ((outs[name] - outs[levels[0]]).abs() <= bound).all(), name
+
+
+def level_in_subprocess(value: str):
+    import os
+    import subprocess
+    import sys
+
+    code = ("from specee.model import kernels; k = kernels.int4_kernel(); "
+            "print(kernels.LEVELS[k.int4_level()] if k else 'none')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SPECEE_CPU_LEVEL": value}, cwd=str(kernels.HERE.parents[2]))
+
+
+def test_specee_cpu_level_forces_a_lower_path_and_the_portable_one_says_so():
+    if "avx2" not in reachable_levels():
+        pytest.skip("no AVX2 path on this CPU")
+    avx2 = level_in_subprocess("avx2")
+    assert avx2.stdout.strip() == "avx2" and "portable" not in avx2.stderr
+    portable = level_in_subprocess("portable")
+    assert portable.stdout.strip() == "portable"
+    assert "specee: note: int4 products run the portable C++ path (SPECEE_CPU_LEVEL=portable)" in portable.stderr
+    bad = level_in_subprocess("sse9")
+    assert bad.returncode != 0 and "SPECEE_CPU_LEVEL='sse9': choose one of portable, avx2, avx512" in bad.stderr
 
 
 def test_bad_shapes_and_modes_are_refused():
@@ -194,6 +254,14 @@ def dequantized_twin(model: Transformer) -> Transformer:
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_greedy_quantized_model_equals_its_dequantized_float_model(mode):
+    assert_greedy_equals_dequantized_twin(mode)
+
+
+def test_greedy_int4_model_equals_its_dequantized_float_model_at_every_kernel_level(level):
+    assert_greedy_equals_dequantized_twin("int4")
+
+
+def assert_greedy_equals_dequantized_twin(mode: str) -> None:
     path = real_model_dir("ref-target-24L")
     model = Transformer.load(path, "cpu", torch.float32, quantization=mode)
     model.head.ranker = None  # the int8 head's own kernel; its int4 ranking is tested below

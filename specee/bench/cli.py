@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, device_arg, non_negative_int, positive_float, positive_int,
-                        quantization_mode, speculative_k)
+from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, add_threads_arg, device_arg, non_negative_int,
+                        positive_float, positive_int, quantization_mode, speculative_k)
 from ..cli.outputs import output_dir
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, parse_list
 from .plots import draw_figures
@@ -40,7 +40,7 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
     add_quantization_arg(g)
-    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_arg(g)
     g.add_argument("--shared", metavar="DIR", default=None,
                    help="the shared models/data folder (default: ../shared next to the repository)")
     d = p.add_argument_group("prompts")
@@ -113,12 +113,12 @@ def load_target(args: argparse.Namespace, model: Path):
 
     from ..engine.llm import LLM
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise BenchError(f"--device {args.device}: CUDA is not available (torch {torch.__version__})")
-    return LLM(model, device=args.device, dtype=args.dtype, progress=not args.no_progress,
-               quantization=quantization_mode(args))
+    llm = LLM(model, device=args.device, dtype=args.dtype, progress=not args.no_progress,
+              quantization=quantization_mode(args), threads=args.threads)
+    llm.threads.hold()  # measured once at load: every configuration then runs with that count
+    return llm
 
 
 def prompts_from(args: argparse.Namespace):

@@ -73,6 +73,7 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastes
         g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
         add_quantization_arg(g, fastest)
+        add_threads_arg(g)
 
 
 QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), auto (on CPU a GGUF's "
@@ -86,6 +87,13 @@ def add_quantization_arg(group, fastest: bool = False) -> None:
     group.add_argument("--quantization", choices=("int4", "int8", "auto", "none"), default=None,
                        help=f"{QUANTIZATION_HELP}; default: {default}")
     group.set_defaults(fastest_quantization=fastest)
+
+
+def add_threads_arg(group) -> None:
+    """--threads, for every command that runs a model (shared with `specee bench`)."""
+    group.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                       help="CPU threads (default: the fastest of 1, all but one and all cores, timed on one "
+                            "decode step at load: fewer when another process keeps the CPU busy)")
 
 
 def quantization_mode(args: argparse.Namespace) -> str | None:
@@ -268,7 +276,7 @@ def load_llm(args: argparse.Namespace):
     quantization = quantization_mode(args)
     try:
         llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
-                  speculative_config=speculative)
+                  speculative_config=speculative, threads=args.threads)
     except QuantizationError as e:
         raise CLIError(f"--quantization {quantization}: {e}; --quantization none runs float weights") from None
     if args.quantization:
@@ -299,7 +307,8 @@ def exit_room_note(summary: dict) -> str | None:
 
 def stats_line(stats) -> str:
     line = (f"{stats.generated_tokens} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s; "
-            f"decode {stats.decode_tokens_per_second:.1f} tokens/s; prompt {stats.prompt_tokens} tokens)")
+            f"decode {stats.decode_tokens_per_second:.1f} tokens/s; prompt {stats.prompt_tokens} tokens; "
+            f"{threads_text(stats)})")
     ee = stats.early_exit
     if ee:
         line += (f"; early exit {ee['mode']}/{ee['kv_policy']}: mean {ee['mean_exit_layer']:.1f} of "
@@ -311,6 +320,14 @@ def stats_line(stats) -> str:
         line += (f"; speculative {sp['method']}: mean accepted length {sp['mean_accepted_length']:.2f}, "
                  f"acceptance rate {sp['acceptance_rate']:.2f}")
     return line
+
+
+def threads_text(stats) -> str:
+    """'2 threads', or '1 of 2 threads (the fastest measured)' where the load-time timing chose fewer."""
+    n, most = stats.threads, max(stats.thread_probe_ms or {}, default=stats.threads)
+    if n < most:
+        return f"{n} of {most} threads (the fastest measured)"
+    return f"{n} thread{'s' if n != 1 else ''}"
 
 
 def print_stats(stats, detailed: bool) -> None:

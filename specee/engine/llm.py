@@ -26,6 +26,7 @@ from .engine import DEFAULT_MAX_NUM_SEQS, Engine
 from .exclusive import ExclusiveEngine
 from .sequence import RequestOutput, Sequence
 from .teacher import TeacherForcedStep
+from .threads import ThreadPolicy, check_threads
 from .worker import EngineThread
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -126,14 +127,19 @@ class LLM:
     {"method": "eagle" | "draft_model" | "ngram", "model": DIR, "num_speculative_tokens": N}.
     Both together: SpecEE's exits inside the verification passes (the early-exit drafter drafts
     the chains: method "ngram" with draft "ngram", or "draft_model" with the same model).
+    threads: CPU threads (torch's setting, process-wide); None: the fastest of a few counts, timed on
+    one decode step at load and rechecked between requests (engine/threads.py: it keeps the speed
+    when another process is busy).
     """
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                  early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
                  quantization: str | None = "auto", speculative_config: dict | None = None,
-                 kv_cache_memory: int | str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
+                 kv_cache_memory: int | str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 threads: int | None = None):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a path or a Hugging Face hub id (str or Path), got {model!r}")
+        threads = check_threads(threads)
         dev = check_device(device)
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(map(str, QUANTIZATIONS))}")
@@ -149,6 +155,7 @@ class LLM:
             raise ValueError(f"{self.model_dir}: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
                              f"only {self.model.cfg.vocab_size} embedding rows")
         self.eos_ids = load_eos_ids(self.model_dir, self.model, self.tokenizer)
+        self.threads = ThreadPolicy(self.model, threads)  # .choice: the count (and timings if measured)
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
         self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
@@ -283,6 +290,9 @@ class LLM:
         seqs = [Sequence(p, self.encode(p, chat), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
         for s in seqs:  # the synchronous API refuses, before any work, a request that cannot run
             self.engine.check(s)
+        threads = self.threads.refresh()
+        for s in seqs:
+            s.stats.threads, s.stats.thread_probe_ms = threads.threads, dict(threads.step_ms) or None
         return seqs
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],

@@ -17,6 +17,8 @@ class RequestStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_tokens: int = 0  # tokens produced by decode steps (full depth: all but the prefill's one)
+    threads: int = 0  # CPU threads the request ran with (torch's setting)
+    thread_probe_ms: dict[int, float] | None = None  # chosen automatically: a decode step's median per count tried
     early_exit: dict[str, Any] | None = None  # filled by the early-exit and lossless loops
     speculative: dict[str, Any] | None = None  # filled by speculative decoding (specee.speculative)
     # the request's life on the wall clock (time.monotonic()): a server's queue time and latencies
@@ -53,7 +55,10 @@ class RequestStats:
             "decode_seconds": round(self.decode_seconds, 6),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
+            "threads": self.threads,
         }
+        if self.thread_probe_ms:
+            d["thread_probe_ms"] = {n: round(ms, 3) for n, ms in self.thread_probe_ms.items()}
         if self.early_exit is not None:
             d["early_exit"] = self.early_exit
         if self.speculative is not None:

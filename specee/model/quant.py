@@ -3,10 +3,10 @@
 Decoding on a CPU is bound by reading weights; these layers keep 4 or 8 bits per weight and
 multiply through PyTorch's own kernels (`_weight_int4pack_mm[_for_cpu]`, `_weight_int8pack_mm`),
 which take bfloat16 activations (float32 activations are several times slower: see
-benchmarks/bench_kernels.py), except int4 on a CPU with AVX-512 BF16: specee's own kernel
-(model/kernels/int4_matmul.cpp) does the same arithmetic 2-3x faster. Every layer has
-`dequantize()`, the float weight the kernel effectively uses: the reference the tests check the
-kernels against.
+benchmarks/bench_kernels.py), except int4 on a CPU where specee's kernels build: its own
+(model/kernels/int4_matmul.cpp: AVX-512 BF16, AVX2 or portable) does the same arithmetic 2-3x
+faster. Every layer has `dequantize()`, the float weight the kernel effectively uses: the
+reference the tests check the kernels against.
 
 All linears share one small interface (`__call__`, `rows`, `take_rows`, `dequantize`, `tensors`)
 so the runtime calls them without knowing the format.
@@ -169,13 +169,13 @@ class Int4Linear(_KernelLinear):
         self.out_features, self.in_features, self.group = N, K, group
         self.scales, self.zeros = scales.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)  # [N, G]
         self.bias = bias
-        # specee's AVX-512 BF16 kernel (model/kernels/int4_matmul.cpp) where it runs and the shape fits
-        self.bf16_kernel = None
+        # specee's kernel (model/kernels/int4_matmul.cpp) where it is built and the shape fits
+        self.kernel = None
         if q.device.type == "cpu" and group == 32 and N % 64 == 0:
             from .kernels import int4_kernel
 
-            self.bf16_kernel = int4_kernel()
-        if self.bf16_kernel is not None:
+            self.kernel = int4_kernel()
+        if self.kernel is not None:
             self.packed = _bf16_pack(q)
             self.scales_and_zeros = (  # bf16 [N/64, G, (scale, zero), 64]
                 torch.stack([self.scales, self.zeros]).view(2, N // 64, 64, K // group).permute(1, 3, 0, 2).contiguous())
@@ -193,8 +193,8 @@ class Int4Linear(_KernelLinear):
         return cls(*int4_codes_from_float(weight, group), group, bias, keep_rows)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        if self.bf16_kernel is not None:
-            return self.bf16_kernel.int4_mm(x2d, self.packed, self.scales_and_zeros)
+        if self.kernel is not None:
+            return self.kernel.int4_mm(x2d, self.packed, self.scales_and_zeros)
         if x2d.device.type == "cuda":
             return torch.ops.aten._weight_int4pack_mm(x2d, self.packed, self.group, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group, self.scales_and_zeros)
@@ -210,7 +210,7 @@ class Int4Linear(_KernelLinear):
         """All of q, recovered from the packed weight: unpacked from specee's own layout, or by
         multiplying the identity through PyTorch's kernel (float32 on CPU: each output is one
         product, exact), so nothing here trusts that kernel's private packing."""
-        if self.bf16_kernel is not None:
+        if self.kernel is not None:
             return _bf16_unpack(self.packed)
         dtype = torch.float32 if self.packed.device.type == "cpu" else KERNEL_DTYPE
         eye = torch.eye(self.in_features, dtype=dtype, device=self.packed.device)
@@ -300,7 +300,7 @@ def kernel_spec(lin: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Ten
     empty = torch.empty(0)
     bias = empty if lin.bias is None else lin.bias
     if isinstance(lin, Int4Linear):
-        return 3 if lin.bf16_kernel is not None else 2, lin.packed, lin.scales_and_zeros, bias, lin.group
+        return 3 if lin.kernel is not None else 2, lin.packed, lin.scales_and_zeros, bias, lin.group
     if isinstance(lin, Int8Linear):
         return 1, lin.qweight, lin.scales, bias, 0
     return 0, lin.dequantize(), empty, bias, 0

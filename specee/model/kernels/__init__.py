@@ -3,12 +3,15 @@
 - `decode_layer.cpp`: a decoder layer for the rows of one sequence, its elementwise work in plain
   C++ loops and its products and attention through ATen (or the int4 product below): at batch 1
   the ~40 ATen calls a layer makes from Python cost more than its products on a small model.
-- `int4_matmul.cpp`: int4 weights times bf16 activations with AVX-512 BF16 dot products, the
-  arithmetic of PyTorch's int4 kernel, which spends more time widening weights than reading them.
+- `int4_matmul.cpp`: int4 weights times bf16 activations, the arithmetic of PyTorch's int4 kernel
+  (which spends more time widening weights than reading them), with AVX-512 BF16 dot products,
+  AVX2 FMA or plain loops: the best the CPU runs, or lower with SPECEE_CPU_LEVEL=avx2|portable
+  (how the AVX2 path is tested on an AVX-512 machine). The portable path says so on stderr.
 
-Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s, cached by
-torch). Without a compiler, or with SPECEE_CPU_KERNELS=0, `cpu_kernels()` is None: every layer
-runs in Python and int4 goes through PyTorch's kernel.
+Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s), once per
+content of these sources (build.py: checkouts with identical sources share one build). Without a
+compiler, or with SPECEE_CPU_KERNELS=0, `cpu_kernels()` is None: every layer runs in Python and
+int4 goes through PyTorch's kernel.
 """
 from __future__ import annotations
 
@@ -18,9 +21,18 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from . import build
+
 HERE = Path(__file__).parent
-SOURCES = [HERE / "decode_layer.cpp", HERE / "int4_matmul.cpp"]
-NAME = "specee_cpu_kernels_v5"  # a new name for a changed ABI: torch rebuilds on source changes anyway
+PREFIX = "specee_cpu_kernels"  # the build's name is this plus a hash of the sources and flags
+CFLAGS = ["-O3"]
+LEVELS = ("portable", "avx2", "avx512")  # int4_matmul.cpp's paths, by their index there
+LEVEL_ENV = "SPECEE_CPU_LEVEL"
+
+
+def sources(folder: Path = HERE) -> list[Path]:
+    """The C++ files (sources and headers) the kernels are built from."""
+    return sorted(folder.glob("*.cpp")) + sorted(folder.glob("*.h"))
 
 
 def cpu_kernels() -> ModuleType | None:
@@ -31,21 +43,44 @@ def cpu_kernels() -> ModuleType | None:
 
 
 def int4_kernel() -> ModuleType | None:
-    """The module when its AVX-512 BF16 int4 product runs on this CPU, else None."""
+    """The module whose `int4_mm` serves int4 linears (at the level `use_level` set), or None."""
     kernels = cpu_kernels()
-    return kernels if kernels is not None and kernels.int4_supported() else None
+    if kernels is not None:
+        _level_from_env()
+    return kernels
+
+
+def use_level(name: str) -> str:
+    """Run the int4 product at `name` (one of LEVELS, at most what this CPU runs); returns the
+    level it ran at before."""
+    kernels = _build()
+    before = LEVELS[kernels.int4_level()]
+    best = kernels.int4_best_level()
+    if LEVELS.index(name) > best:
+        raise ValueError(f"{LEVEL_ENV}={name}: this CPU runs at most {LEVELS[best]}")
+    kernels.int4_set_level(LEVELS.index(name))
+    return before
+
+
+@functools.cache
+def _level_from_env() -> None:
+    """Apply SPECEE_CPU_LEVEL once (a level the CPU lacks is refused); note the portable path,
+    several times slower than the vector ones (BENCHMARKS.md), wherever it runs."""
+    wanted = os.environ.get(LEVEL_ENV, "")
+    if wanted and wanted not in LEVELS:
+        raise ValueError(f"{LEVEL_ENV}={wanted!r}: choose one of {', '.join(LEVELS)}")
+    if wanted:
+        use_level(wanted)
+    if LEVELS[_build().int4_level()] == "portable":
+        why = f"{LEVEL_ENV}=portable" if wanted else "this CPU has neither AVX-512 BF16 nor AVX2 with FMA"
+        print(f"specee: note: int4 products run the portable C++ path ({why}): several times slower than "
+              "the AVX2 and AVX-512 ones", file=sys.stderr)
 
 
 @functools.cache
 def _build() -> ModuleType | None:
     try:
-        from torch.utils import cpp_extension
-
-        built = Path(cpp_extension._get_build_directory(NAME, False)) / f"{NAME}.so"
-        if not built.exists():
-            print("specee: building the CPU kernels for this machine (once, about 40 s)", file=sys.stderr)
-        return cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=["-O3"],
-                                  extra_include_paths=[str(HERE)], verbose=False)
+        return build.load(PREFIX, sources(), CFLAGS, what="CPU kernels", duration="; about 40 s")
     except Exception as e:  # no compiler or ninja, a failed build: the Python layer serves
         first = (str(e).strip().splitlines() or [""])[0][:160]
         print(f"specee: CPU kernels unavailable ({type(e).__name__}: {first}); using the Python layer",

@@ -175,6 +175,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("__call__", &DecodeLayer::forward)
       .def("ragged", &DecodeLayer::forward_ragged);
-  m.def("int4_supported", &int4_supported);
+  m.def("int4_best_level", &int4_best_level);
+  m.def("int4_level", &int4_level);
+  m.def("int4_set_level", &int4_set_level);
   m.def("int4_mm", &int4_mm);
 }

@@ -1,11 +1,16 @@
 // int4 weights (groups of 32, W = (q - 8) s + z, s and z bf16) times activations rounded to bf16,
-// with AVX-512 BF16 dot products: the arithmetic of PyTorch's int4 CPU kernel (bf16 activations,
-// float32 sums), which on this class of CPU spends more time widening each weight to float32 than
-// reading it. Here a nibble becomes a bf16 in two integer ops: 0x4300 | q is the bf16 of 128 + q,
-// exact, so one `vdpbf16ps` multiplies 16 outputs x 2 inputs and per group
-//     sum_k x_k W_k = s sum_k x_k (128 + q_k) + (z - 136 s) sum_k x_k,
-// every product exact in float32. A weight tile is unpacked once for up to 4 rows, so a
-// verification pass's extra rows cost a dot product each, not another pass of unpacking.
+// float32 sums: the arithmetic of PyTorch's int4 CPU kernel, which on this class of CPU spends more
+// time widening each weight to float32 than reading it. Three paths, chosen at run time (CPUID, or
+// lower with int4_set_level: SPECEE_CPU_LEVEL in Python), each row's outputs computed by the same
+// operations whatever rows share the call (speculative verification stays equal to one-token steps):
+//   avx512  a nibble becomes a bf16 in two integer ops: 0x4300 | q is the bf16 of 128 + q, exact, so
+//           one `vdpbf16ps` multiplies 16 outputs x 2 inputs and per group
+//               sum_k x_k W_k = s sum_k x_k (128 + q_k) + (z - 136 s) sum_k x_k,
+//           every product exact in float32;
+//   avx2    q widened to float32 and FMA: s sum_k x_k q_k + (z - 8 s) sum_k x_k (products exact);
+//   portable the avx2 path's sums in plain loops (multiply, then add).
+// The paths differ only in float32 summation order. A weight tile is unpacked once for up to 4
+// rows, so a verification pass's extra rows cost their products, not another pass of unpacking.
 // The output is float32 (PyTorch's kernel rounds it to bf16).
 //
 // Layout (model/quant.py packs it): 64 outputs at a time, 4 tiles of 16; for every 4 inputs c the
@@ -14,15 +19,23 @@
 #include "int4_matmul.h"
 
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#define SPECEE_X86 1  // the vector paths; elsewhere only the portable one is built
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGroup = 32;
+enum Level : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+std::atomic<int64_t> g_level{-1};  // -1: the best this CPU runs, read on first use
 
+#ifdef SPECEE_X86
 #define SPECEE_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 SPECEE_BF16 inline __m512 bf16_to_float(const uint16_t* p) {
@@ -32,7 +45,7 @@ SPECEE_BF16 inline __m512 bf16_to_float(const uint16_t* p) {
 // R rows (1 to 4) x one block of 64 outputs. xp: the rows' bf16 activations as pairs [R][K/2];
 // xs: their sums per group [R][G]; y: row r's outputs at y + r N.
 template <int R>
-SPECEE_BF16 void block(const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xs, int64_t K,
+SPECEE_BF16 void block_avx512(const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xs, int64_t K,
                        float* y, int64_t N) {
   constexpr int T = 4;
   const int64_t G = K / kGroup;
@@ -76,11 +89,142 @@ SPECEE_BF16 void block(const uint8_t* w, const uint16_t* sz, const uint32_t* xp,
     for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + r * N + 16 * t, out[r][t]);
 }
 
+#define SPECEE_AVX2 __attribute__((target("avx2,fma")))
+
+SPECEE_AVX2 inline __m256 bf16x8_to_float(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// 8 outputs x inputs k..k+3 for R rows: the 16 bytes at p as 8 uint32 (byte 2 lane + e at bits
+// 8 e) hold input k + 0..3 as (v >> 0, 8, 4, 12) & 15.
+template <int R>
+SPECEE_AVX2 __attribute__((always_inline)) inline void half_avx2(const uint8_t* p, const float* x, int64_t K,
+                                                                 __m256 (&acc)[R]) {
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
+  const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), nibble));
+  const __m256 q2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), nibble));
+  const __m256 q3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 12), nibble));
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_fmadd_ps(q0, _mm256_broadcast_ss(x + r * K + 0), acc[r]);
+    acc[r] = _mm256_fmadd_ps(q1, _mm256_broadcast_ss(x + r * K + 1), acc[r]);
+    acc[r] = _mm256_fmadd_ps(q2, _mm256_broadcast_ss(x + r * K + 2), acc[r]);
+    acc[r] = _mm256_fmadd_ps(q3, _mm256_broadcast_ss(x + r * K + 3), acc[r]);
+  }
+}
+
+// One half's group sums into row r's outputs: out += acc s + (z - 8 s) sum_k x_k.
+template <int R>
+SPECEE_AVX2 __attribute__((always_inline)) inline void finish_avx2(const uint16_t* szh, const float* xs, int64_t G,
+                                                                   const __m256 (&acc)[R], float* y, int64_t N) {
+  const __m256 s = bf16x8_to_float(szh);
+  const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_to_float(szh + 64));
+  for (int r = 0; r < R; ++r) {
+    const __m256 o = _mm256_fmadd_ps(acc[r], s, _mm256_loadu_ps(y + r * N));
+    _mm256_storeu_ps(y + r * N, _mm256_fmadd_ps(z8, _mm256_set1_ps(xs[r * G]), o));
+  }
+}
+
+// As block_avx512 with xf: the rows' bf16 activations widened to float32 [R][K], and y zeroed.
+// Eight outputs at a time (half a tile: 16 bytes per 4 inputs), summed per group in registers;
+// J such halves side by side, so that few rows still give several independent chains of FMAs
+// (one chain waits on each FMA's latency: a single row ran at a third of the speed).
+template <int R, int J = (R <= 2 ? 4 : 1)>
+SPECEE_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const float* xf, const float* xs, int64_t K,
+                            float* y, int64_t N) {
+  const int64_t G = K / kGroup;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int j0 = 0; j0 < 8; j0 += J) {
+      __m256 acc[J][R];
+      for (int j = 0; j < J; ++j)
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+      for (int c = 0; c < kGroup / 4; ++c)
+        for (int j = 0; j < J; ++j)
+          half_avx2<R>(w + (g * (kGroup / 4) + c) * 128 + (j0 + j) * 16, xf + g * kGroup + c * 4, K, acc[j]);
+      for (int j = 0; j < J; ++j) finish_avx2<R>(sz + g * 128 + (j0 + j) * 8, xs + g, G, acc[j], y + (j0 + j) * 8, N);
+    }
+  }
+}
+#endif  // SPECEE_X86
+
+float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// block_avx2's arithmetic in plain C++ (any CPU): per output, the same sums with a multiply and an add.
+template <int R>
+void block_portable(const uint8_t* w, const uint16_t* sz, const float* xf, const float* xs, int64_t K, float* y,
+                    int64_t N) {
+  const int64_t G = K / kGroup;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* szg = sz + g * 128;
+    for (int t = 0; t < 4; ++t) {
+      float acc[R][16] = {};
+      for (int c = 0; c < kGroup / 4; ++c) {
+        const uint8_t* wc = w + (g * (kGroup / 4) + c) * 128 + t * 32;
+        float lo[32], hi[32];  // unpacked once for all rows: byte 2 lane + e -> inputs e and 2 + e
+        for (int i = 0; i < 32; ++i) lo[i] = wc[i] & 15, hi[i] = wc[i] >> 4;
+        for (int r = 0; r < R; ++r) {
+          const float* x = xf + r * K + g * kGroup + c * 4;
+          for (int lane = 0; lane < 16; ++lane)
+            acc[r][lane] = acc[r][lane] + lo[2 * lane] * x[0] + lo[2 * lane + 1] * x[1] + hi[2 * lane] * x[2] +
+                           hi[2 * lane + 1] * x[3];
+        }
+      }
+      for (int lane = 0; lane < 16; ++lane) {
+        const float s = bf16_to_float(szg[t * 16 + lane]), z8 = bf16_to_float(szg[64 + t * 16 + lane]) - 8.f * s;
+        for (int r = 0; r < R; ++r) {
+          float& out = y[r * N + t * 16 + lane];
+          out += acc[r][lane] * s;
+          out += z8 * xs[r * G + g];
+        }
+      }
+    }
+  }
+}
+
+// R rows of one 64-output block at `level`.
+template <int R>
+void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xf,
+             const float* xs, int64_t K, float* y, int64_t N) {
+#ifdef SPECEE_X86
+  if (level == kAvx512) return block_avx512<R>(w, sz, xp, xs, K, y, N);
+  if (level == kAvx2) return block_avx2<R>(w, sz, xf, xs, K, y, N);
+#endif
+  block_portable<R>(w, sz, xf, xs, K, y, N);
+}
+
+// Rows sharing one unpacking of a weight tile: more did not pay (BENCHMARKS.md, "int4 kernel
+// levels"): past 4 rows the dot products, not the unpacking, take the time.
+constexpr int kMaxRows = 4;
+constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr, rows_at<1>, rows_at<2>, rows_at<3>, rows_at<4>};
+
+int64_t best_level() {
+#ifdef SPECEE_X86
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
+  return kPortable;
+}
+
 }  // namespace
 
-bool int4_supported() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512bf16");
+int64_t int4_best_level() { return best_level(); }
+
+int64_t int4_level() {
+  if (g_level.load() < 0) g_level.store(best_level());
+  return g_level.load();
+}
+
+void int4_set_level(int64_t level) {
+  TORCH_CHECK(level >= kPortable && level <= best_level(), "int4 kernel level ", level,
+              " is not available on this CPU (best: ", best_level(), ")");
+  g_level.store(level);
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
@@ -89,32 +233,28 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(xc.dim() == 2 && (xc.scalar_type() == at::kFloat || xc.scalar_type() == at::kBFloat16) &&
               packed.dim() == 4 && packed.size(1) == K / 4 && scales.size(0) == blocks && scales.size(1) == G,
               "int4_mm: float32 or bf16 activations and a weight packed for their shape");
+  const int64_t level = int4_level();
   // the activations rounded to bf16 (as `x.to(torch.bfloat16)` rounds) and their sums per group, in
   // plain loops: in a decode step this runs for every product, where ATen calls cost more than the work
   std::vector<c10::BFloat16> xb(M * K);
-  std::vector<float> sums(M * G, 0.f);
+  std::vector<float> sums(M * G, 0.f), xf(level == kAvx512 ? 0 : M * K);
   if (xc.scalar_type() == at::kFloat)
     std::copy(xc.data_ptr<float>(), xc.data_ptr<float>() + M * K, xb.begin());  // float -> bf16, nearest even
   else
     std::copy(xc.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>() + M * K, xb.begin());
   for (int64_t i = 0; i < M * K; ++i) sums[i / kGroup] += static_cast<float>(xb[i]);
-  at::Tensor y = at::empty({M, N}, at::kFloat);
+  std::copy(xb.begin(), xb.begin() + xf.size(), xf.begin());
+  at::Tensor y = level == kAvx512 ? at::empty({M, N}, at::kFloat) : at::zeros({M, N}, at::kFloat);  // avx2, portable add
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data());
-  const float* xs = sums.data();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* wb = w + b * (K / 4) * 128;
-      const uint16_t* sb = sz + b * G * 128;
-      int64_t r = 0;
-      auto rows = [&](auto kernel) { kernel(wb, sb, xp + r * (K / 2), xs + r * G, K, out + r * N + b * 64, N); };
-      for (; r + 4 <= M; r += 4) rows(block<4>);
-      if (M - r == 3) rows(block<3>);
-      if (M - r == 2) rows(block<2>);
-      if (M - r == 1) rows(block<1>);
-    }
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < M; r += kMaxRows)
+        kRows[std::min<int64_t>(kMaxRows, M - r)](level, w + b * (K / 4) * 128, sz + b * G * 128, xp + r * (K / 2),
+                                                  xf.empty() ? nullptr : xf.data() + r * K, sums.data() + r * G, K,
+                                                  out + r * N + b * 64, N);
   });
   return y;
 }

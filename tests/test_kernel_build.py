@@ -1,0 +1,67 @@
+"""The kernel build is keyed by the sources' content, not their path, and says when it builds
+(model/kernels/build.py): two checkouts sharing torch's extension cache used to rebuild each
+other's kernels on every run, silently."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specee.model import kernels
+from specee.model.kernels import build
+
+TINY = """#include <pybind11/pybind11.h>
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", [] { return 42; }); }
+"""
+REPO = Path(__file__).resolve().parents[1]
+
+
+def copy_kernels(to: Path) -> list[Path]:
+    shutil.copytree(kernels.HERE, to, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    return kernels.sources(to)
+
+
+def test_equal_sources_in_two_trees_resolve_to_one_build_and_a_changed_byte_to_another(tmp_path):
+    a, b = copy_kernels(tmp_path / "a"), copy_kernels(tmp_path / "b")
+    name = build.build_name(kernels.PREFIX, a, kernels.CFLAGS)
+    assert name == build.build_name(kernels.PREFIX, b, kernels.CFLAGS)
+    assert name == build.build_name(kernels.PREFIX, kernels.sources(), kernels.CFLAGS)  # the package's own
+    assert build.build_dir(name) == build.build_dir(build.build_name(kernels.PREFIX, b, kernels.CFLAGS))
+    header = next(p for p in b if p.suffix == ".h")
+    header.write_text(header.read_text() + "\n")
+    assert build.build_name(kernels.PREFIX, b, kernels.CFLAGS) != name  # a header counts too
+    assert build.build_name(kernels.PREFIX, a, ["-O2"]) != name  # and the flags
+
+
+def load_in_subprocess(source: Path, ext_dir: Path) -> subprocess.CompletedProcess:
+    code = ("import sys; from pathlib import Path; from specee.model.kernels import build; "
+            f"print(build.load('tiny', [Path({str(source)!r})], ['-O0']).answer())")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir)})
+
+
+def test_a_build_says_so_and_a_second_tree_with_the_same_sources_does_not_rebuild(tmp_path):
+    """Each load in a fresh process, as two checkouts' runs would be."""
+    ext = tmp_path / "ext"
+    first, second = tmp_path / "one" / "tiny.cpp", tmp_path / "two" / "tiny.cpp"
+    for src in (first, second):
+        src.parent.mkdir()
+        src.write_text(TINY)
+    built = load_in_subprocess(first, ext)
+    if built.returncode:
+        pytest.skip(f"no C++ toolchain here: {built.stderr.strip().splitlines()[-1:]}")
+    assert built.stdout.strip() == "42" and "specee: building the C++ extension" in built.stderr
+    (so,) = ext.glob("tiny_*/tiny_*.so")
+    stamp = so.stat().st_mtime_ns
+    again = load_in_subprocess(second, ext)
+    assert again.returncode == 0 and again.stdout.strip() == "42"
+    assert "building" not in again.stderr and so.stat().st_mtime_ns == stamp
+    assert len(list(ext.glob("tiny_*"))) == 1
+    (copy,) = ext.glob("tiny_*/src/tiny.cpp")  # what the build reads: touched, ninja rebuilds, and says so
+    os.utime(copy, ns=(stamp + 10**9, stamp + 10**9))
+    touched = load_in_subprocess(second, ext)
+    assert touched.returncode == 0 and "specee: rebuilt the C++ extension" in touched.stderr

@@ -1,0 +1,124 @@
+"""CPU threads: --threads on every command that runs a model, LLM(threads=), the automatic choice
+(engine/threads.py: the fastest count measured on a decode step) and the stats that report it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from specee import LLM, SamplingParams, cli
+from specee.engine.threads import ThreadPolicy, candidates, check_threads, choose_threads
+
+from conftest import MODELS
+
+STORIES = MODELS / "stories260K"
+needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared models not found at {STORIES}")
+MODEL_COMMANDS = [["generate", "--prompt", "hi"], ["chat"], ["calibrate", "-o", "x"], ["distill", "-o", "x"],
+                  ["train-draft", "-o", "x"], ["bench", "speed"], ["bench", "quality"], ["bench", "oracle"],
+                  ["bench", "sweep"]]
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_every_command_that_runs_a_model_takes_threads(command):
+    assert cli.build_parser().parse_args([*command, "--threads", "3"]).threads == 3
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "two"])
+@pytest.mark.parametrize("command", [MODEL_COMMANDS[0], MODEL_COMMANDS[5]], ids=["generate", "bench"])
+def test_bad_thread_counts_are_one_line_naming_the_flag(capsys, command, value):
+    assert cli.main([*command, f"--threads={value}"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--threads" in last and "positive integer" in last and repr(value) in last
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "2", True])
+def test_llm_refuses_bad_thread_counts_before_loading(value):
+    with pytest.raises(ValueError, match=r"^threads must be a positive integer"):
+        LLM("/nonexistent/model", threads=value)
+    assert check_threads(None) is None and check_threads(4) == 4
+
+
+def sleeper(ms_by_threads: dict[int, float]):
+    """A step that takes a set time under each thread count (what a busy machine's steps look like)."""
+    return lambda: time.sleep(ms_by_threads[torch.get_num_threads()] / 1e3)
+
+
+@pytest.mark.parametrize("fast", [1, 2])
+def test_the_automatic_choice_is_the_faster_count_and_sets_it(fast):
+    slow = 3 - fast
+    choice = choose_threads(sleeper({fast: 2.0, slow: 6.0}), [1, 2])
+    assert choice.threads == fast == torch.get_num_threads()
+    assert choice.step_ms[fast] < choice.step_ms[slow]
+
+
+def test_a_count_far_slower_stops_being_timed():
+    calls = {1: 0, 2: 0}
+
+    def step():
+        n = torch.get_num_threads()
+        calls[n] += 1
+        time.sleep(0.001 if n == 1 else 0.02)
+    assert choose_threads(step, [1, 2]).threads == 1
+    assert calls == {1: 2, 2: 2}  # a warm-up and one timed step each: 2 was out after the first round
+
+
+def test_candidates():
+    assert candidates(1) == [1] and candidates(2) == [1, 2] and candidates(8) == [1, 7, 8]
+
+
+@needs_stories
+def test_llm_threads_given_and_chosen_show_in_the_stats(monkeypatch):
+    params = SamplingParams(max_tokens=4)
+    torch.set_num_threads(2)
+    fixed = LLM(STORIES, threads=1)
+    assert torch.get_num_threads() == 1 and fixed.threads.choice.step_ms == {}
+    out = fixed.generate("Once", params)[0]
+    assert out.stats.threads == 1 and out.stats.as_dict()["threads"] == 1 and out.stats.thread_probe_ms is None
+    torch.set_num_threads(2)
+    auto = LLM(STORIES)
+    assert set(auto.threads.choice.step_ms) == {1, 2}
+    out = auto.generate("Once", params)[0]
+    assert out.stats.threads == auto.threads.choice.threads == torch.get_num_threads()
+    assert set(out.stats.as_dict()["thread_probe_ms"]) == {1, 2}
+
+
+@needs_stories
+def test_the_choice_is_measured_again_between_requests_once_due(monkeypatch):
+    torch.set_num_threads(2)
+    llm = LLM(STORIES)
+    first = llm.threads.choice
+    llm.generate("Once", SamplingParams(max_tokens=2))
+    assert llm.threads.choice is first  # not due yet
+    monkeypatch.setattr(ThreadPolicy, "RECHECK_SECONDS", 0.0)
+    llm.generate("Once", SamplingParams(max_tokens=2))
+    assert llm.threads.choice is not first and set(llm.threads.choice.step_ms) == {1, 2}  # the ceiling is kept
+    held = llm.threads.choice
+    llm.threads.hold()  # what `specee bench` does after loading
+    llm.generate("Once", SamplingParams(max_tokens=2))
+    assert llm.threads.choice is held
+
+
+@needs_stories
+def test_generate_threads_flag_runs_and_the_stats_line_says_so(capsys):
+    code = cli.main(["generate", "--model", str(STORIES), "--prompt", "Once", "--no-chat", "--max-new-tokens", "4",
+                     "--threads", "1"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.splitlines()[-1].endswith("; 1 thread)]")
+
+
+def test_the_stats_line_says_when_fewer_threads_than_all_were_chosen():
+    from specee.cli.args import stats_line
+    from specee.engine.sequence import RequestStats
+
+    assert stats_line(RequestStats(threads=2)).endswith("; 2 threads)")
+    assert stats_line(RequestStats(threads=1, thread_probe_ms={1: 3.0, 2: 40.0})).endswith(
+        "; 1 of 2 threads (the fastest measured))")
