@@ -38,7 +38,24 @@ MODES = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
     "draft_tree": {"method": "draft_model", "num_speculative_tokens": 2, "tree": {"topk": 2, "size": 4}},
+    "eagle_tree": "a random EAGLE head (features of layers 0 and 2), trees",
 }
+
+
+def eagle_decoding(llm, quantization):
+    """Speculation with a random EAGLE head on `llm`'s target (int4 on a quantized target, as the config
+    would make it): it reads the target's features, so it must follow every request's own rows."""
+    from specee.drafters.eagle import EagleDrafter
+    from specee.drafters.eagle_head import EagleHead, EagleHeadConfig
+    from specee.speculative import SpeculativeDecoding, TreeShape
+
+    model = llm.model
+    cfg = EagleHeadConfig.for_target(model.cfg, (0, 2), model.cfg.vocab_size // 2)
+    shortlist = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+    head = EagleHead.init_random(model, cfg, shortlist[: cfg.shortlist_size].sort().values, seed=0)
+    if quantization is not None:
+        head = EagleHead(model, cfg, head.shortlist, head.params, quantization=quantization)
+    return SpeculativeDecoding(model, EagleDrafter(head), 3, TreeShape(3, 2, 5), "eagle")
 
 
 @pytest.fixture(scope="module", params=[None, "int4"], ids=["float", "int4"])
@@ -51,9 +68,12 @@ def mode_llms(request, checkpoints):
     out = {}
     for name, config in MODES.items():
         llm = LLM(target, dtype="float32", quantization=request.param)
-        if config is not None and config["method"] == "draft_model":
-            config = {**config, "model": str(draft)}
-        llm.enable_speculative(config)
+        if isinstance(config, str):
+            llm.speculative = eagle_decoding(llm, request.param)
+        else:
+            if config is not None and config["method"] == "draft_model":
+                config = {**config, "model": str(draft)}
+            llm.enable_speculative(config)
         out[name] = llm
     return out
 
