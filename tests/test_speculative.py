@@ -473,13 +473,14 @@ def test_the_gate_plays_the_faster_arm_per_batch_size_and_keeps_trying_the_other
     at batch 8, and still tries the other arm every `explore` steps."""
     from specee.speculative.gate import SpeculationGate
 
-    gate = SpeculationGate(explore=8)
+    gate = SpeculationGate(explore=8, warmup=(12, 4))
     tokens_per_second = {(1, True): 200.0, (1, False): 100.0, (8, True): 300.0, (8, False): 600.0}
     for batch in (1, 8):
         choices = []
-        for _ in range(64):
+        for _ in range(80):
             on = gate.begin_step(batch)
             choices.append(on)
             gate.end_step(int(tokens_per_second[(batch, on)]), 1.0)
+        assert choices[:16] == [True] * 12 + [False] * 4  # each arm measured first, drafts first
         best = batch == 1
-        assert choices[8:].count(best) >= 48 and choices[8:].count(not best) >= 5, (batch, choices)
+        assert choices[16:].count(best) >= 54 and choices[16:].count(not best) >= 6, (batch, choices)

@@ -3,8 +3,8 @@
 Extra draft rows are nearly free at batch 1 on a memory-bound machine and cost full price once the
 batch makes the products compute-bound; where that happens depends on the model, the CPU and the
 drafter (vLLM's `disable_by_batch_size` is a fixed number for this). The gate keeps, per batch size
-(in powers of two), the mean throughput of steps with and without drafts, plays the better one and
-tries the other every `explore` steps. A step without drafts is a chain of none: the same
+(in powers of two), the recent throughput of steps with and without drafts (a decaying sum), plays
+the better one and tries the other every `explore` steps. A step without drafts is a chain of none: the same
 verification, so the output does not depend on the choice (greedy stays full depth's tokens).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ class Arm:
     steps: int = 0
 
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else float("inf")  # untried: try it
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def add(self, tokens: int, seconds: float, decay: float) -> None:
         self.tokens = self.tokens * decay + tokens
@@ -28,8 +28,11 @@ class Arm:
 
 
 class SpeculationGate:
-    def __init__(self, explore: int = 16, decay: float = 0.9):
-        self.explore, self.decay = explore, decay
+    """warmup: steps each arm plays first at a new batch size (drafts first: acceptance varies from
+    step to step, and a few unlucky ones must not switch speculation off)."""
+
+    def __init__(self, explore: int = 8, decay: float = 0.9, warmup: tuple[int, int] = (12, 4)):
+        self.explore, self.decay, self.warmup = explore, decay, warmup
         self.arms: dict[tuple[int, bool], Arm] = {}
         self.steps = 0
         self.bucket, self.on = 0, True
@@ -39,6 +42,9 @@ class SpeculationGate:
         self.steps += 1
         self.bucket = max(batch_size, 1).bit_length()
         spec, plain = (self.arms.setdefault((self.bucket, on), Arm()) for on in (True, False))
+        if spec.steps < self.warmup[0] or plain.steps < self.warmup[1]:
+            self.on = spec.steps < self.warmup[0]
+            return self.on
         best = spec.rate() >= plain.rate()
         self.on = best if self.steps % self.explore else not best
         return self.on
