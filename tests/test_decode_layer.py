@@ -169,3 +169,33 @@ def test_a_chains_verification_rows_equal_decoding_them_one_by_one_bit_for_bit(r
     (pass_h, pass_cache), (one_h, one_cache) = caches
     assert torch.equal(pass_h, one_h)
     assert torch.equal(pass_cache.k, one_cache.k) and torch.equal(pass_cache.v, one_cache.v)
+
+
+@torch.inference_mode()
+def test_single_row_attention_matches_atens_within_float_rounding(tmp_path):
+    """The C++ layer's one-row attention (row_attention.cpp on AVX-512; ATen elsewhere) against the
+    Python layer's (ATen's scaled dot-product attention), on float weights so the products match:
+    decode rows and a chain's rows over a 30-token prefix, grouped-query heads."""
+    from specee.model.kernels import cpu_kernels
+    from specee.model.quant import kernel_spec
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ decode layer could not be built here (no compiler)")
+    model = Transformer.load(make_checkpoint(tmp_path / "m", variant("llama3"), seed=1), "cpu", torch.float32)
+    cfg = model.cfg
+    fast = [kernels.DecodeLayer(w.attn_norm, w.mlp_norm, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads,
+                                cfg.head_dim, *map(list, zip(*(kernel_spec(x) for x in (w.qkv, w.o, w.gate_up, w.down)))))
+            for w in model.layers]
+    ids = torch.randint(3, cfg.vocab_size, (36,), generator=torch.Generator().manual_seed(0)).tolist()
+    outs = {}
+    for name, layers in (("aten", None), ("cpp", fast)):
+        model.fast_layers = layers
+        cache = model.new_cache(1, len(ids))
+        prefill(model, cache, [ids[:30]])
+        rows = [model.forward(torch.tensor([[ids[n]]]), model.range_inputs(n, 1), cache)[0] for n in range(30, 33)]
+        rows.append(model.forward(torch.tensor([ids[33:36]]), model.range_inputs(33, 3), cache)[0])  # a chain
+        outs[name] = torch.cat(rows)
+    model.fast_layers = None
+    # float32 rounding of two layers (the C++ layer's norms and sums run in another order too)
+    torch.testing.assert_close(outs["cpp"], outs["aten"], rtol=1e-4, atol=1e-4)

@@ -43,6 +43,7 @@ class KVCache:
         cache.length = 0
         cache.slot_ids = slot_ids[: cache.max_len]
         cache.padded = False
+        cache.k_layers, cache.v_layers = k.unbind(0), v.unbind(0)  # per-layer views, made once for its life
         return cache
 
     def row_view(self, rows: slice) -> KVCache:

@@ -75,9 +75,9 @@ class RaggedInputs:
         self.masks = [Transformer._no_mask if s.mask is None else s.mask for s in self.steps]
         self.causal = [s.causal for s in self.steps]
         self.chain = [s.chain for s in self.steps]
-        ks, vs = [c.k.unbind(0) for c in self.caches], [c.v.unbind(0) for c in self.caches]
-        self.k_layers = [list(layer) for layer in zip(*ks)]  # [layer][segment]: views, made once per step
-        self.v_layers = [list(layer) for layer in zip(*vs)]
+        # [layer][segment]: the caches' per-layer views (a pool's caches keep theirs; others make them here)
+        self.k_layers = list(zip(*[getattr(c, "k_layers", None) or c.k.unbind(0) for c in self.caches]))
+        self.v_layers = list(zip(*[getattr(c, "v_layers", None) or c.v.unbind(0) for c in self.caches]))
 
 
 class Transformer:

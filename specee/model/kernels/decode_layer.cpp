@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "int4_matmul.h"
+#include "row_attention.h"
 
 namespace {
 
@@ -98,6 +99,7 @@ class DecodeLayer {
     const at::Tensor qkv = lin_[0](x);  // [S, (NH + 2 NKV) D]
     const int64_t W = (NH + 2 * NKV) * D;
     at::Tensor attn = at::empty({S, NH * D}, h.options());
+    const bool rows_alone = row_attention_available(D);
     int64_t first = 0;
     for (size_t g = 0; g < rows.size(); ++g) {
       const int64_t n = rows[g];
@@ -119,8 +121,15 @@ class DecodeLayer {
           std::copy(row + (NH + NKV + j) * D, row + (NH + NKV + j + 1) * D, V + j * vs + slot[r] * D);
         }
       }
-      const at::Tensor out = attention(q, kc, vc, slot + first, kv_lens[g], masks[g], causal[g], chain[g]);
-      attn.narrow(0, first, n).copy_(out.transpose(1, 2).reshape({n, NH * D}));
+      if (rows_alone && !causal[g] && (chain[g] || (n == 1 && !masks[g].numel()))) {
+        // each row alone over its own prefix (a decode row, a chain's rows): row_attention.cpp
+        for (int64_t i = 0; i < n; ++i)
+          row_attention(qo + i * D, n * D, K, ks, V, vs, n == 1 ? kv_lens[g] : slot[first + i] + 1, D, NH, NKV,
+                        attn.data_ptr<float>() + (first + i) * NH * D);
+      } else {
+        const at::Tensor out = attention(q, kc, vc, slot + first, kv_lens[g], masks[g], causal[g], chain[g]);
+        attn.narrow(0, first, n).copy_(out.transpose(1, 2).reshape({n, NH * D}));
+      }
       first += n;
     }
     TORCH_CHECK(first == S, "DecodeLayer: segment rows do not add up to the rows given");

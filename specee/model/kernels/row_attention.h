@@ -1,0 +1,13 @@
+// One query row's attention over its own prefix of the cache, AVX-512 (row_attention.cpp).
+#pragma once
+#include <cstdint>
+
+// Whether row_attention runs here: AVX-512F, the int4 kernels at their AVX-512 level (SPECEE_CPU_LEVEL
+// may force a lower one, and then ATen serves every row), and a head size it takes.
+bool row_attention_available(int64_t head_dim);
+
+// q: heads x head_dim floats, head h at q + h * q_stride; keys and values of kv head g at K + g * k_stride
+// (rows of head_dim, contiguous), `len` of them; out: heads x head_dim, contiguous. Grouped-query heads
+// h share kv head h / (heads / kv_heads).
+void row_attention(const float* q, int64_t q_stride, const float* K, int64_t k_stride, const float* V,
+                   int64_t v_stride, int64_t len, int64_t head_dim, int64_t heads, int64_t kv_heads, float* out);
