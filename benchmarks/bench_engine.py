@@ -12,6 +12,7 @@ too (to compare a change against its parent on the same machine).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from pathlib import Path
@@ -57,7 +58,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     prompts = holdout_prompts(args.prompts)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization)
+    extra = {"threads": args.threads} if args.threads and "threads" in inspect.signature(LLM).parameters else {}
+    llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization, **extra)
     modes = [("full depth", None)] + [(json.dumps(c, sort_keys=True), c) for c in args.speculative_config]
     results = []
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_tokens} tokens")

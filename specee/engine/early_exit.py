@@ -218,7 +218,7 @@ class DecodeRun:
         # so the first generated token can exit too (it is all a multiple-choice answer has).
         # Lossless mode prefills the whole prompt instead: its first token, and every K/V entry, are
         # then those of full-depth decoding (the same prefill call: a shorter one, or a one-row pass,
-        # rounds differently, which parted lossless from full depth at near-ties on 14 of 100 prompts).
+        # rounds differently, which parted lossless from full depth at near-ties on 14-18 of 100 prompts).
         self.whole_prefill = whole = self.verifier is not None
         width = max(len(s.prompt_ids) for s in seqs) - (0 if whole else 1)
         for r in self.requests:
