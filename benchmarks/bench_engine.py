@@ -33,13 +33,17 @@ def holdout_prompts(n: int) -> list[str]:
     return mixed[:n]
 
 
-def serve(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> tuple[float, int]:
-    """Wall seconds and generated tokens serving `prompts`, `concurrency` at a time."""
-    tokens, t0 = 0, time.perf_counter()
+def serve(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> tuple[float, int, float, int]:
+    """Serving `prompts`, `concurrency` at a time: wall seconds and generated tokens end to end, and the
+    decode phase's (a group's requests decode together after their prefills: its longest decode time)."""
+    tokens = decoded = 0
+    decode_seconds, t0 = 0.0, time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         outs = llm.generate(prompts[i:i + concurrency], params, chat=True)
         tokens += sum(len(o.token_ids) for o in outs)
-    return time.perf_counter() - t0, tokens
+        decoded += sum(o.stats.decode_tokens for o in outs)
+        decode_seconds += max(o.stats.decode_seconds for o in outs)
+    return time.perf_counter() - t0, tokens, decode_seconds, decoded
 
 
 def main() -> None:
@@ -48,7 +52,7 @@ def main() -> None:
                                            "smollm2-135m-instruct"))
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--speculative-config", action="append", default=[], type=json.loads)
     ap.add_argument("--threads", type=int, default=None)
@@ -68,16 +72,18 @@ def main() -> None:
         serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
         row = {"mode": name}
         for c in args.concurrency:
-            seconds, tokens = serve(llm, prompts, params, c)
+            seconds, tokens, decode_seconds, decoded = serve(llm, prompts, params, c)
             row[f"c{c}"] = round(tokens / seconds, 2)
+            row[f"decode_c{c}"] = round(decoded / decode_seconds, 2)
         results.append(row)
-        base = row[f"c{args.concurrency[0]}"]
-        print(f"{name}: " + ", ".join(f"c={c} {row[f'c{c}']} tok/s ({row[f'c{c}'] / base:.2f}x)"
-                                      for c in args.concurrency))
-    if len(results) > 1:
-        for row in results[1:]:
-            print(f"{row['mode']} / full depth: " + ", ".join(
-                f"c={c} {row[f'c{c}'] / results[0][f'c{c}']:.2f}x" for c in args.concurrency))
+        for key, what in (("c", "end to end"), ("decode_c", "decode phase")):
+            base = row[f"{key}{args.concurrency[0]}"]
+            print(f"{name}, {what}: " + ", ".join(f"c={c} {row[f'{key}{c}']} tok/s ({row[f'{key}{c}'] / base:.2f}x)"
+                                                  for c in args.concurrency))
+    for row in results[1:]:
+        for key, what in (("c", "end to end"), ("decode_c", "decode phase")):
+            print(f"{row['mode']} / full depth, {what}: " + ", ".join(
+                f"c={c} {row[f'{key}{c}'] / results[0][f'{key}{c}']:.2f}x" for c in args.concurrency))
     if args.out:
         Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(),
                                               "prompts": len(prompts), "max_tokens": args.max_tokens,

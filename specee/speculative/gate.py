@@ -4,7 +4,7 @@ Extra draft rows are nearly free at batch 1 on a memory-bound machine and cost f
 batch makes the products compute-bound; where that happens depends on the model, the CPU and the
 drafter (vLLM's `disable_by_batch_size` is a fixed number for this). The gate keeps, per batch size
 (in powers of two), the recent throughput of steps with and without drafts (a decaying sum), plays
-the better one and tries the other every `explore` steps. A step without drafts is a chain of none: the same
+the better one and tries the other now and then. A step without drafts is a chain of none: the same
 verification, so the output does not depend on the choice (greedy stays full depth's tokens).
 """
 from __future__ import annotations
@@ -27,28 +27,43 @@ class Arm:
         self.steps += 1
 
 
-class SpeculationGate:
-    """warmup: steps each arm plays first at a new batch size (drafts first: acceptance varies from
-    step to step, and a few unlucky ones must not switch speculation off)."""
+@dataclass
+class Bucket:
+    spec: Arm
+    plain: Arm
+    gap: int  # steps between two tries of the losing arm (doubles while it keeps losing)
+    since: int = 0
+    best: bool = True
 
-    def __init__(self, explore: int = 8, decay: float = 0.9, warmup: tuple[int, int] = (12, 4)):
-        self.explore, self.decay, self.warmup = explore, decay, warmup
-        self.arms: dict[tuple[int, bool], Arm] = {}
-        self.steps = 0
-        self.bucket, self.on = 0, True
+
+class SpeculationGate:
+    """warmup: steps each arm plays first at a new batch size (drafts first). Exploring costs what the
+    losing arm costs (a draft model's step can cost several plain ones), so the gap between tries
+    doubles, up to `max_gap`, while the same arm keeps winning, and shrinks back when the choice flips."""
+
+    def __init__(self, explore: int = 8, max_gap: int = 64, decay: float = 0.9, warmup: tuple[int, int] = (4, 2)):
+        self.explore, self.max_gap, self.decay, self.warmup = explore, max_gap, decay, warmup
+        self.buckets: dict[int, Bucket] = {}
+        self.current: Bucket | None = None
+        self.on = True
 
     def begin_step(self, batch_size: int) -> bool:
         """Whether this step's requests draft."""
-        self.steps += 1
-        self.bucket = max(batch_size, 1).bit_length()
-        spec, plain = (self.arms.setdefault((self.bucket, on), Arm()) for on in (True, False))
-        if spec.steps < self.warmup[0] or plain.steps < self.warmup[1]:
-            self.on = spec.steps < self.warmup[0]
+        b = self.current = self.buckets.setdefault(max(batch_size, 1).bit_length(), Bucket(Arm(), Arm(), self.explore))
+        if b.spec.steps < self.warmup[0] or b.plain.steps < self.warmup[1]:
+            self.on = b.spec.steps < self.warmup[0]
             return self.on
-        best = spec.rate() >= plain.rate()
-        self.on = best if self.steps % self.explore else not best
+        best = b.spec.rate() >= b.plain.rate()
+        if best != b.best:
+            b.best, b.gap = best, self.explore
+        b.since += 1
+        if b.since >= b.gap:  # try the other arm
+            b.since, b.gap = 0, min(2 * b.gap, self.max_gap)
+            self.on = not best
+        else:
+            self.on = best
         return self.on
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step of only decoding requests emitted `tokens` in `seconds` (drafting included)."""
-        self.arms[(self.bucket, self.on)].add(tokens, seconds, self.decay)
+        (self.current.spec if self.on else self.current.plain).add(tokens, seconds, self.decay)
