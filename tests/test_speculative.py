@@ -63,7 +63,7 @@ class ScriptedDrafter(Drafter):
 def run(model, tokenizer, drafter, ids: list[int], params: SamplingParams, n: int = 4,
         tree: TreeShape | None = None) -> Sequence:
     seq = Sequence(ids, list(ids), params, tokenizer, frozenset())
-    SpeculativeDecoding(model, drafter, n, tree).generate(seq)
+    SpeculativeDecoding(model, drafter, n, tree, gated=False).generate(seq)  # every step drafts
     return seq
 
 

@@ -87,21 +87,23 @@ class SpeculativeDecoding(FullDepth):
     """Chains of `num_tokens` drafts, or trees of `tree`, from forks of `drafter`."""
 
     def __init__(self, model: Transformer, drafter: Drafter, num_tokens: int, tree: TreeShape | None = None,
-                 method: str = ""):
+                 method: str = "", gated: bool = True):
+        """gated: a SpeculationGate decides per step whether to draft (False: every step drafts)."""
         super().__init__(model)
         self.drafter, self.num_tokens, self.method = drafter, num_tokens, method
         self.grower = None if tree is None else TreeGrower(tree, model.device)
         self.extra_rows = num_tokens + 1 if tree is None else tree.size + 1
         self.feature_layers = drafter.feature_layers
         self.width = model.cfg.vocab_size
-        self.gate = SpeculationGate()
+        self.gate = SpeculationGate() if gated else None
         self.drafting = True  # this step's requests draft (the gate's choice)
 
     def begin_step(self, decoding: int) -> None:
-        self.drafting = self.gate.begin_step(decoding)
+        self.drafting = self.gate is None or self.gate.begin_step(decoding)
 
     def end_step(self, tokens: int, seconds: float) -> None:
-        self.gate.end_step(tokens, seconds)
+        if self.gate is not None:
+            self.gate.end_step(tokens, seconds)
 
     def generate(self, seq: Sequence) -> dict:
         """Decode one request to completion on an engine of its own (tests, benchmarks); returns its
