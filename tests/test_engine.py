@@ -329,3 +329,20 @@ def test_early_exit_runs_on_its_own_engine_and_gives_full_depths_tokens(llm, mod
         llm.early_exit = None
     assert batches == ([["one", "two"]] if mode == "lossy" else [["one"], ["two"]])
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
+
+
+def test_kv_cache_memory_flag(capsys):
+    """--kv-cache-memory sizes the pool from the command line: a bad value is one line before any
+    work; a pool too small for the request is refused with the flag named; a fitting one serves."""
+    from conftest import real_model_dir
+
+    from specee import cli
+
+    stories = str(real_model_dir("stories260K"))
+    base = ["generate", "--model", stories, "--prompt", "Once", "--no-chat", "--max-new-tokens", "8"]
+    assert cli.main([*base, "--kv-cache-memory", "lots"]) == 2
+    assert "--kv-cache-memory: 'lots' is not a token count or a size" in capsys.readouterr().err
+    assert cli.main([*base, "--max-new-tokens", "40", "--kv-cache-memory", "5"]) == 2  # one block: 16 slots
+    assert "raise kv_cache_memory (--kv-cache-memory)" in capsys.readouterr().err
+    assert cli.main([*base, "--kv-cache-memory", "1MiB"]) == 0
+    assert "8 tokens" in capsys.readouterr().err

@@ -74,6 +74,9 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastes
                        help="compute dtype (default: auto = float32 on CPU, bfloat16 on CUDA)")
         add_quantization_arg(g, fastest)
         add_threads_arg(g)
+        g.add_argument("--kv-cache-memory", type=kv_cache_memory_arg, default=None, metavar="SIZE|TOKENS",
+                       help="the KV cache pool requests share: a size (512MiB, 2GB) or a token count "
+                            "(default: 1 GiB, at least one full context)")
 
 
 QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), auto (on CPU a GGUF's "
@@ -87,6 +90,17 @@ def add_quantization_arg(group, fastest: bool = False) -> None:
     group.add_argument("--quantization", choices=("int4", "int8", "auto", "none"), default=None,
                        help=f"{QUANTIZATION_HELP}; default: {default}")
     group.set_defaults(fastest_quantization=fastest)
+
+
+def kv_cache_memory_arg(value: str) -> int | str:
+    """--kv-cache-memory: a token count, or a size with a unit (checked here, converted with the model)."""
+    from ..engine.kv_manager import SIZE
+
+    if value.strip().isdigit() and int(value) > 0:
+        return int(value)
+    if not SIZE.fullmatch(value) or not value.strip()[:1].isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a token count or a size like 512MiB or 2GB")
+    return value
 
 
 def add_threads_arg(group) -> None:
@@ -276,7 +290,8 @@ def load_llm(args: argparse.Namespace):
     quantization = quantization_mode(args)
     try:
         llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
-                  speculative_config=speculative, threads=args.threads)
+                  speculative_config=speculative, threads=args.threads,
+                  kv_cache_memory=getattr(args, "kv_cache_memory", None))
     except QuantizationError as e:
         raise CLIError(f"--quantization {quantization}: {e}; --quantization none runs float weights") from None
     if args.quantization:

@@ -23,6 +23,7 @@ from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 
 BLOCK_SIZE = 16
+SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)  # "512MiB", "2GB", "1.5GiB"
 DEFAULT_KV_MEMORY = 1 << 30  # bytes, unless the context needs more (one full-context request always fits)
 
 
@@ -39,7 +40,7 @@ def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtyp
     if isinstance(value, int) and not isinstance(value, bool):
         tokens = value
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", value, re.IGNORECASE)
+        m = SIZE.fullmatch(value)
         if not m:
             raise ValueError(f"kv_cache_memory (--kv-cache-memory): {value!r} is not a size like 512MiB or 2GB")
         unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I") or "B"
