@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli as run
 
 import specee
 from specee import LLM, SamplingParams
@@ -25,12 +26,6 @@ needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared models 
 needs_target = pytest.mark.skipif(not TARGET.is_dir(), reason=f"shared models not found at {TARGET} (../shared is absent)")
 
 PROMPT = "Once upon a time"
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,12 @@ import pytest
 import torch
 from checkpoints import clone_checkpoint
 from conftest import MODELS
+from cli_helpers import assert_one_line_error, run_cli
 
-from specee import LLM, SamplingParams, cli
+from specee import LLM, SamplingParams
 from specee.model.weights import CheckpointError
 
 SMOLLM2 = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("specee: error: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def random_data(good: Path, out: Path, seed: int = 0) -> Path:

@@ -294,23 +294,6 @@ def test_kv_budget_is_parsed_from_tokens_or_a_size(llm):
             parse_kv_budget(bad, cfg, dtype)
 
 
-def test_interleaved_streams_each_equal_generate(mode_llms):
-    """Streams advanced alternately: whichever consumer drives a step, each stream yields its whole
-    text (it must drain the delta left when another consumer's step finished it)."""
-    llm = mode_llms["ngram"]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 6, 15, 9)]
-    streams = [llm.stream(p, sp) for p, sp in zip(PROMPTS, params)]
-    texts = ["" for _ in streams]
-    live = set(range(len(streams)))
-    while live:
-        for i in sorted(live):
-            try:
-                texts[i] += next(streams[i])
-            except StopIteration:
-                live.discard(i)
-    assert texts == [o.text for o in llm.generate(PROMPTS[:4], params)]
-
-
 @pytest.mark.parametrize("mode", ["lossy", "lossless"])
 def test_early_exit_runs_on_its_own_engine_and_gives_full_depths_tokens(llm, mode):
     """Lossy one-token exits share passes; lossless mode takes requests in turn. With predictors that

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import clone_checkpoint, edit_json
+from cli_helpers import assert_one_line_error, run_cli
 
 from specee import LLM, SamplingParams
 from specee.model.config import UnsupportedModelError
@@ -254,21 +255,6 @@ def test_unknown_dtype(ckpt):
 
 
 # ---- found when tried as a new user would: each a one-line `specee: error:` (exit 2) ---------------
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    from specee import cli
-
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("specee: error: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
 @pytest.mark.parametrize("keep", [100, 20000])  # a cut header, and a header whose data is cut short
 def test_truncated_safetensors_in_generate_and_info(ckpt, tmp_path, capsys, keep):
     path = clone(ckpt, tmp_path)

@@ -163,11 +163,16 @@ def test_a_disconnected_stream_is_aborted_within_a_step(smollm):
         pass
     assert server.metric("specee:num_requests_running") == 1
     stream.close()
+    assert_aborted_and_idle(server, aborted)
+
+
+def assert_aborted_and_idle(server, aborted_before: int) -> None:
+    """Within 5 s nothing runs and one more request has finished as "abort"."""
     deadline = time.monotonic() + 5
     while server.metric("specee:num_requests_running") and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.metric("specee:num_requests_running") == 0
-    assert server.metric("specee:request_success_total", 'finished_reason="abort"') == aborted + 1
+    assert server.metric("specee:request_success_total", 'finished_reason="abort"') == aborted_before + 1
 
 
 def test_a_client_that_gives_up_on_a_plain_request_aborts_it(smollm):
@@ -176,11 +181,7 @@ def test_a_client_that_gives_up_on_a_plain_request_aborts_it(smollm):
     with pytest.raises(openai.APITimeoutError):
         server.client(timeout=1.0).completions.create(model="smollm2", prompt="Write a long story.", max_tokens=4000,
                                                       temperature=0, extra_body={"ignore_eos": True})
-    deadline = time.monotonic() + 5
-    while server.metric("specee:num_requests_running") and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.metric("specee:num_requests_running") == 0
-    assert server.metric("specee:request_success_total", 'finished_reason="abort"') == aborted + 1
+    assert_aborted_and_idle(server, aborted)
 
 
 def test_n_choices_and_several_prompts(stories):

@@ -9,26 +9,14 @@ import sys
 
 import pytest
 from conftest import MODELS
+from cli_helpers import assert_one_line_error, run_cli
 
-from specee import LLM, SamplingParams, cli
+from specee import LLM, SamplingParams
 from specee.drafters import DrafterMismatchError
 
 STORIES, TARGET = MODELS / "stories260K", MODELS / "ref-target-24L"
 needs_models = pytest.mark.skipif(not (STORIES.is_dir() and TARGET.is_dir()),
                                   reason=f"shared models not found under {MODELS} (../shared is absent)")
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("specee: error: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,9 +53,8 @@ class Running:
     generator: torch.Generator | None
     prefilled: bool = False
     last: int = -1  # the last emitted token, whose K/V the next step writes
-    state: Any = None  # the decoding's per-request state (a drafter, speculation stats)
+    state: Any = None  # the decoding's per-request state (a drafter, speculation stats, this step's draft)
     decode_since: float = 0.0
-    plan: Any = field(default=None, repr=False)  # what this step computes for it (the decoding's)
 
 
 class Scheduler:

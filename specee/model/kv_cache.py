@@ -7,8 +7,6 @@ fill state of every layer past a position.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from .config import ModelConfig
@@ -32,6 +30,7 @@ class KVCache:
         # whether some row may hold unfilled slots below `length` (left padding), so attention must read
         # through the mask; a lone row is filled from slot 0 unless its owner says otherwise
         self.padded = batch_size > 1
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # per-layer views, made once
 
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor, filled: torch.Tensor, slot_ids: torch.Tensor) -> KVCache:
@@ -43,25 +42,8 @@ class KVCache:
         cache.length = 0
         cache.slot_ids = slot_ids[: cache.max_len]
         cache.padded = False
-        cache.k_layers, cache.v_layers = k.unbind(0), v.unbind(0)  # per-layer views, made once for its life
+        cache.k_layers, cache.v_layers = k.unbind(0), v.unbind(0)
         return cache
-
-    def row_view(self, rows: slice) -> KVCache:
-        """The same storage restricted to a contiguous range of rows: a step can run some rows of a
-        batch (writes land in this cache). Padded, since the other rows set the slot range."""
-        view = copy.copy(self)
-        view.k, view.v, view.filled = self.k[:, rows], self.v[:, rows], self.filled[:, rows]
-        view.padded = True
-        return view
-
-    def load(self, src: KVCache, rows: list[int] | slice, slots: slice, row: int, slot: int) -> None:
-        """Copy K, V and fill state of `src`'s `rows` at `slots` into this cache's rows from `row`,
-        slots from `slot`: how a batch is compacted, shifted, grown, or given a prefilled newcomer."""
-        k = src.k[:, rows, :, slots]
-        dst_rows, dst_slots = slice(row, row + k.shape[1]), slice(slot, slot + k.shape[3])
-        self.k[:, dst_rows, :, dst_slots] = k
-        self.v[:, dst_rows, :, dst_slots] = src.v[:, rows, :, slots]
-        self.filled[:, dst_rows, dst_slots] = src.filled[:, rows, slots]
 
     def mark_filled(self, layers: slice, slots: torch.Tensor | slice) -> None:
         """Record that `layers` now hold K/V for `slots` (called once per step, not per layer)."""

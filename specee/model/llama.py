@@ -75,9 +75,8 @@ class RaggedInputs:
         self.masks = [Transformer._no_mask if s.mask is None else s.mask for s in self.steps]
         self.causal = [s.causal for s in self.steps]
         self.chain = [s.chain for s in self.steps]
-        # [layer][segment]: the caches' per-layer views (a pool's caches keep theirs; others make them here)
-        self.k_layers = list(zip(*[getattr(c, "k_layers", None) or c.k.unbind(0) for c in self.caches]))
-        self.v_layers = list(zip(*[getattr(c, "v_layers", None) or c.v.unbind(0) for c in self.caches]))
+        self.k_layers = list(zip(*[c.k_layers for c in self.caches]))  # [layer][segment]: the caches' own views
+        self.v_layers = list(zip(*[c.v_layers for c in self.caches]))
 
 
 class Transformer:
@@ -259,12 +258,11 @@ class Transformer:
         qkv = w.qkv(x).view(1, N, cfg.num_heads + 2 * cfg.num_kv_heads, D)
         qk = apply_rope(qkv[:, :, : cfg.num_heads + cfg.num_kv_heads], batch.cos, batch.sin)
         outs, first = [], 0
-        for n, cache, step in zip(batch.rows, batch.caches, batch.steps):
+        for n, k_cache, v_cache, step in zip(batch.rows, batch.k_layers[i], batch.v_layers[i], batch.steps):
             rows = slice(first, first + n)
             q = qk[:, rows, : cfg.num_heads].transpose(1, 2)
             k = qk[:, rows, cfg.num_heads :].transpose(1, 2)
             v = qkv[:, rows, cfg.num_heads + cfg.num_kv_heads :].transpose(1, 2)
-            k_cache, v_cache = cache.k[i], cache.v[i]
             k_cache.index_copy_(2, step.slots, k)
             v_cache.index_copy_(2, step.slots, v)
             outs.append(self.attention(q, k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len], step))
