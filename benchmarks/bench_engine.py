@@ -7,7 +7,8 @@ ratio within this one run. It uses only `LLM(...)` and `generate`, so it runs on
 too (to compare a change against its parent on the same machine).
 
     python benchmarks/bench_engine.py --model ../shared/models/smollm2-135m-instruct --prompts 8 \
-        --concurrency 1 4 8 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
+        --concurrency 1 4 8 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
+        --early-exit '{"draft": "ngram", "mode": "lossless"}'
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from specee import LLM, SamplingParams
 from specee.bench.report import cpu_name
+from specee.exit.config import EarlyExitConfig
 
 HOLDOUT = Path(__file__).resolve().parents[2] / "shared" / "data" / "specee_bench"
 
@@ -55,6 +57,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--speculative-config", action="append", default=[], type=json.loads)
+    ap.add_argument("--early-exit", action="append", default=[], type=json.loads, metavar="JSON",
+                    help='EarlyExitConfig fields, e.g. {"draft": "ngram", "mode": "lossless"} (calibrates once)')
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -65,10 +69,16 @@ def main() -> None:
     extra = {"threads": args.threads} if args.threads and "threads" in inspect.signature(LLM).parameters else {}
     llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization, **extra)
     modes = [("full depth", None)] + [(json.dumps(c, sort_keys=True), c) for c in args.speculative_config]
+    modes += [("early exit " + json.dumps(c, sort_keys=True), EarlyExitConfig(**c)) for c in args.early_exit]
     results = []
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_tokens} tokens")
     for name, config in modes:
-        llm.enable_speculative(config)
+        if isinstance(config, EarlyExitConfig):
+            llm.enable_early_exit(config)
+            llm.calibrate()
+        else:
+            llm.early_exit = None
+            llm.enable_speculative(config)
         serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
         row = {"mode": name}
         for c in args.concurrency:

@@ -124,7 +124,7 @@ def predictor_cost(model: Transformer, repeats: int, k: int = 4, hidden: int = 1
                          torch.zeros(L), [math.inf] * L, list(range(L - 1)), k, "random", "random")
     exits = ExitController(model, bank, bank.thresholds)
     h = torch.randn(1, model.cfg.hidden_size, device=dev, dtype=model.dtype)
-    exits.begin_pass(torch.arange(k, device=dev)[None], None, 0)
+    exits.begin_pass(torch.arange(k, device=dev)[None], torch.empty(0, dtype=torch.long, device=dev), 0)
     exits.try_exit(L // 2, h, h)
     sync(dev)
     t0 = time.perf_counter()

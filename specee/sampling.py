@@ -101,28 +101,3 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     anywhere in a row makes its max NaN)."""
     best, tokens = logits.max(dim=-1)
     return torch.where(best.isfinite(), tokens, NONFINITE_TOKEN)
-
-
-class RowSampler:
-    """Next token per row of a batch whose rows (requests) each have their own SamplingParams.
-    Rows that share their parameters but for the seed are filtered together; each row draws from
-    its own generator. The grouping is made once per batch, not per step."""
-
-    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device):
-        self.generators = generators
-        groups: dict[SamplingParams, list[int]] = {}
-        for row, p in enumerate(params):
-            groups.setdefault(replace(p, seed=None), []).append(row)
-        self.greedy = all(p.greedy for p in groups)
-        self.groups = [(p, torch.tensor(rows, device=device), [generators[r] for r in rows])
-                       for p, rows in groups.items()]
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.greedy:
-            return greedy(logits)
-        if len(self.groups) == 1:
-            return sample(logits, self.groups[0][0], self.generators)
-        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        for p, index, generators in self.groups:
-            tokens[index] = sample(logits[index], p, generators)
-        return tokens

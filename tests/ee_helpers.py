@@ -6,8 +6,9 @@ import random
 
 import torch
 
-from specee.drafters.base import Drafter
-from specee.engine.early_exit import EarlyExitDecoder
+from specee.drafters.base import Draft, Drafter
+from specee.drafters.ngram import NGramDrafter
+from specee.engine.early_exit import EarlyExitDecoding
 from specee.exit.config import EarlyExitConfig
 from specee.engine.sequence import Sequence
 from specee.exit.controller import ForcedExits
@@ -41,6 +42,21 @@ class AllTokensDrafter(Drafter):
         return self._ids.expand(len(ids) - start, -1)
 
 
+class LookupAllTokens(NGramDrafter):
+    """Prompt-lookup drafts, the whole vocabulary as every row's speculative tokens: a forced exit
+    is always taken, so tests choose exit layers exactly."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__(1, vocab_size)
+        self.k, self._all = vocab_size, torch.arange(vocab_size)
+
+    def propose(self) -> torch.Tensor:
+        return self._all
+
+    def row_candidates(self, draft: Draft) -> torch.Tensor:
+        return self._all.expand(draft.tokens.shape[0] + 1, -1)
+
+
 def constant_bank(num_layers: int, k: int, thresholds: list[float], offline: list[int] | None = None,
                   target: str = "t", drafter: str = "d") -> PredictorBank:
     """A bank whose predictors output sigmoid(0) = 0.5 everywhere: a layer fires iff its
@@ -55,17 +71,18 @@ def never_bank(num_layers: int, k: int, **kw) -> PredictorBank:
     return constant_bank(num_layers, k, [math.inf] * num_layers, **kw)
 
 
-def decoder(llm, drafter: Drafter, bank: PredictorBank | None = None, **config) -> EarlyExitDecoder:
+def decoder(llm, drafter: Drafter, bank: PredictorBank | None = None, **config) -> EarlyExitDecoding:
     L = llm.model.cfg.num_layers
-    return EarlyExitDecoder(llm.model, drafter, bank or never_bank(L, drafter.k), EarlyExitConfig(**config))
+    return EarlyExitDecoding(llm.model, drafter, bank or never_bank(L, drafter.k), EarlyExitConfig(**config))
 
 
-def forced(dec: EarlyExitDecoder, rule) -> ForcedExits:
-    """Exits where rule(token index, layer) says, in place of the predictors."""
-    return ForcedExits(dec.model, dec.bank, dec.thresholds, rule)
+def forced(dec: EarlyExitDecoding, rule):
+    """Exits where rule(token index, layer) says, in place of the predictors: a maker of each
+    request's ForcedExits."""
+    return lambda: ForcedExits(dec.model, dec.bank, dec.thresholds, rule)
 
 
-def run(llm, dec: EarlyExitDecoder, prompt_ids: list[int], params: SamplingParams, force=None):
+def run(llm, dec: EarlyExitDecoding, prompt_ids: list[int], params: SamplingParams, force=None):
     seq = Sequence(prompt_ids, list(prompt_ids), params, llm.tokenizer, llm.eos_ids)
     return seq, dec.generate(seq, forced(dec, force) if force is not None else None)
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
-from ee_helpers import AllTokensDrafter, decoder
+from ee_helpers import LookupAllTokens, decoder, forced, random_forcing
 
 from specee import LLM, SamplingParams
 from specee.engine.kv_manager import BLOCK_SIZE, KVCacheManager, parse_kv_budget
@@ -40,6 +40,25 @@ MODES = {
     "draft_tree": {"method": "draft_model", "num_speculative_tokens": 2, "tree": {"topk": 2, "size": 4}},
     "eagle_tree": "a random EAGLE head (features of layers 0 and 2), trees",
 }
+# early exit, with exits forced at seeded (token, layer) draws: each KV policy, lossless, and exits
+# inside verification passes (lossy and lossless)
+EXIT_MODES = {
+    "exit_skip": dict(kv_policy="skip"),
+    "exit_propagate": dict(kv_policy="propagate"),
+    "exit_recompute": dict(kv_policy="recompute"),
+    "exit_lossless": dict(mode="lossless"),
+    "exit_in_verification": dict(kv_policy="recompute", num_draft_tokens=3),
+    "exit_lossless_verification": dict(mode="lossless", num_draft_tokens=3),
+}
+LOSSLESS = {"full", *MODES, "exit_lossless", "exit_lossless_verification"}
+
+
+def exit_decoding(llm, config: dict):
+    """Early exit whose drafter proposes every token (a forced exit is always taken) and drafts by
+    prompt lookup; exits where a seeded draw per (token index, layer) says, alike for every request."""
+    dec = decoder(llm, LookupAllTokens(llm.model.cfg.vocab_size), max_pending=3, **config)
+    dec.make_exits = forced(dec, random_forcing(seed=7, rate=0.3))
+    return dec
 
 
 def eagle_decoding(llm, quantization):
@@ -66,9 +85,11 @@ def mode_llms(request, checkpoints):
     if request.param == "int4":
         assert base.model.fast_layers is not None, "the int4 model runs the C++ layer"
     out = {}
-    for name, config in MODES.items():
+    for name, config in {**MODES, **EXIT_MODES}.items():
         llm = LLM(target, dtype="float32", quantization=request.param)
-        if isinstance(config, str):
+        if name in EXIT_MODES:
+            llm.early_exit = exit_decoding(llm, config)
+        elif isinstance(config, str):
             llm.speculative = eagle_decoding(llm, request.param)
         else:
             if config is not None and config["method"] == "draft_model":
@@ -95,7 +116,8 @@ def drive(llm, arrivals: dict[int, list[Sequence]], aborts: dict[int, list[Seque
           ) -> list[list[Sequence]]:
     """Step the engine, adding arrivals[i] (and aborting aborts[i]) just before step i, until it is
     idle; returns what finished at each step. A newcomer joins the running batch in the step after
-    its arrival: its first token comes out of that step."""
+    its arrival: its first token comes out of that step (lossy early exit: of the next one, the
+    first pass that may exit)."""
     engine, finished, i, aborts = llm.engine, [], 0, aborts or {}
     while i <= max(arrivals) or engine.has_unfinished():
         for s in aborts.get(i, []):
@@ -104,7 +126,8 @@ def drive(llm, arrivals: dict[int, list[Sequence]], aborts: dict[int, list[Seque
         for s in new:
             engine.add_request(s)
         finished.append(engine.step())
-        assert all(len(s.output_ids) >= 1 for s in new)
+        assert all(len(s.output_ids) >= 1 for s in new
+                   if engine.decoding.prefill_length(s) == len(s.prompt_ids) and s.finish_reason != "abort")
         i += 1
     return finished
 
@@ -113,11 +136,11 @@ PROMPTS = ["one", "The quick brown fox jumps over the lazy dog while the cat sle
            "two", "def add(a, b): return a + b; add(add("]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [*MODES, *EXIT_MODES])
 def test_every_mode_batches_mixed_requests_as_each_decodes_alone(mode_llms, mode):
     """Requests of different lengths, parameters and max_tokens join and leave a running batch, one is
-    aborted: each greedy request gets exactly the tokens it gets decoded alone (at full depth a seeded
-    sampled one too), and those are full depth's (speculation is lossless)."""
+    aborted: each greedy request gets exactly the tokens it gets decoded alone (at full depth and in
+    early exit a seeded sampled one too), and in the lossless modes those are full depth's."""
     llm, full = mode_llms[mode], mode_llms["full"]
     greedy = SamplingParams(ignore_eos=True, max_tokens=10)
     seqs = [sequence(llm, PROMPTS[0], greedy),
@@ -130,12 +153,15 @@ def test_every_mode_batches_mixed_requests_as_each_decodes_alone(mode_llms, mode
     assert aborted.finish_reason == "abort" and 1 <= len(aborted.output_ids) < 30
     # a seeded sampled request draws the same tokens in any batch at full depth; under speculation
     # its draws depend on how many drafts each step verified (the gate decides per batch size)
-    for s in seqs if mode == "full" else seqs[:4]:
+    for s in seqs if mode == "full" or mode in EXIT_MODES else seqs[:4]:
         assert (s.output_ids, s.text, s.finish_reason) == solo(llm, s), s.prompt
-    for s in seqs[:4]:
+    for s in seqs[:4] if mode in LOSSLESS else ():
         assert s.output_ids == solo(full, s)[0], s.prompt
     assert llm.engine.kv.free_blocks == llm.engine.kv.num_blocks  # every request gave its blocks back
-    if mode != "full":
+    if mode in EXIT_MODES:
+        exits = [s.stats.early_exit["exits_accepted"] for s in seqs]  # lossless: many are then rolled back
+        assert sum(exits) >= 5, f"the forcing should make passes exit early: {exits}"
+    elif mode != "full":
         assert seqs[0].stats.speculative["target_passes"] >= 1
 
 
@@ -292,26 +318,6 @@ def test_kv_budget_is_parsed_from_tokens_or_a_size(llm):
     for bad in ("lots", "-1MiB", "0"):
         with pytest.raises(ValueError, match="--kv-cache-memory"):
             parse_kv_budget(bad, cfg, dtype)
-
-
-@pytest.mark.parametrize("mode", ["lossy", "lossless"])
-def test_early_exit_runs_on_its_own_engine_and_gives_full_depths_tokens(llm, mode):
-    """Lossy one-token exits share passes; lossless mode takes requests in turn. With predictors that
-    never fire, both give full depth's tokens; a request that cannot run ends with an error there too."""
-    full = llm.generate(["one", "two"], SamplingParams(max_tokens=3, ignore_eos=True))
-    llm.early_exit = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size), mode=mode)  # its own engine
-    batches = []
-    real = llm.engine.decode
-    llm.engine.decode = lambda seqs: batches.append([s.prompt for s in seqs]) or real(seqs)
-    try:
-        outs = llm.generate(["one", "two"], SamplingParams(max_tokens=3, ignore_eos=True))
-        bad = Sequence([5] * 250, [5] * 250, SamplingParams(max_tokens=10), llm.tokenizer, llm.eos_ids)
-        llm.engine.add_request(bad)
-        assert llm.engine.step() == [bad] and bad.finish_reason == "error"
-    finally:
-        llm.early_exit = None
-    assert batches == ([["one", "two"]] if mode == "lossy" else [["one"], ["two"]])
-    assert [o.token_ids for o in outs] == [o.token_ids for o in full]
 
 
 def test_kv_cache_memory_flag(capsys):

@@ -48,9 +48,11 @@ def test_exit_decision_is_one_host_read_per_checked_layer(tiny):
     assert sum(reads.values()) == s["predictor_calls"] + fired + s["exit_histogram"][-1]
 
 
-def test_a_batch_reads_the_device_as_often_as_one_request(tiny):
-    """A pass over three requests (one finishing early) costs the reads of a one-token pass: one
-    per predictor call, one more when the batch settles, one for a full-depth pass."""
+def test_a_batch_reads_the_device_once_per_check_and_once_per_step(tiny):
+    """Three requests (one finishing early) in one engine: each request's predictor checks read the
+    device as they do alone (one per call, one more when it settles), and all the requests that ran
+    every layer in a step share that step's one read."""
+    from specee.engine.engine import Engine
     from specee.engine.sequence import Sequence
 
     L = tiny.model.cfg.num_layers
@@ -61,12 +63,20 @@ def test_a_batch_reads_the_device_as_often_as_one_request(tiny):
     dec = decoder(tiny, drafter, bank, kv_policy="recompute")
     seqs = [Sequence(t, tiny.encode(t), SamplingParams(max_tokens=n, ignore_eos=True), tiny.tokenizer, tiny.eos_ids)
             for t, n in zip(texts, (12, 5, 12))]
+    engine = Engine(tiny.model, dec)
+    for s in seqs:
+        engine.add_request(s)
+    deep_steps = 0
     with count_host_reads() as reads:
-        r = dec.generate(seqs)
-    s = seqs[0].stats.early_exit
-    settled = s["exits_accepted"] + s["exits_rejected"]
-    assert s["exits_accepted"] > 0 and s["exits_rejected"] > 0, "the test needs both outcomes"
-    assert sum(reads.values()) == s["predictor_calls"] + settled + r.scheduler.exits.count(L - 1)  # one per pass
+        while engine.has_unfinished():
+            running = list(engine.scheduler.running)  # admitted in earlier steps: they decode in this one
+            engine.step()
+            deep_steps += any(r.state.step.hit is None for r in running)
+    stats = [s.stats.early_exit for s in seqs]
+    assert sum(e["exits_accepted"] for e in stats) > 0 and sum(e["exits_rejected"] for e in stats) > 0
+    checks = sum(e["predictor_calls"] + e["exits_accepted"] + e["exits_rejected"] for e in stats)
+    assert deep_steps < sum(e["exit_histogram"][-1] for e in stats)  # the batch shared reads
+    assert sum(reads.values()) == checks + deep_steps
 
 
 def test_rollback_forgets_the_discarded_tokens_exit_layers(tiny):

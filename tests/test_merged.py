@@ -6,7 +6,8 @@ import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
 from conftest import real_model_dir
-from ee_helpers import constant_bank, count_host_reads, decoder, forced, never_bank, random_forcing
+from ee_helpers import (LookupAllTokens, constant_bank, count_host_reads, decoder, forced, never_bank,
+                        random_forcing)
 
 from specee import LLM, SamplingParams
 from specee.drafters.base import Draft
@@ -33,21 +34,6 @@ def ref_prompts(llm) -> list[list[int]]:
     texts = ["Explain why the sky is blue.", "Write a haiku about autumn leaves.",
              "List three uses of a paperclip.", "What is 17 times 23? Show your steps."]
     return [llm.encode(t, chat=True) for t in texts] + [llm.encode("def fibonacci(n):\n    ")]
-
-
-class LookupAllTokens(NGramDrafter):
-    """Prompt-lookup drafts, the whole vocabulary as every row's speculative tokens: a forced exit
-    is always taken, so tests choose exit layers exactly."""
-
-    def __init__(self, vocab_size: int):
-        super().__init__(1, vocab_size)
-        self.k, self._all = vocab_size, torch.arange(vocab_size)
-
-    def propose(self) -> torch.Tensor:
-        return self._all
-
-    def row_candidates(self, draft: Draft) -> torch.Tensor:
-        return self._all.expand(draft.tokens.shape[0] + 1, -1)
 
 
 def generate(llm, dec, prompt_ids, max_tokens, exits=None):
@@ -175,20 +161,20 @@ def test_lossless_with_forced_exits_on_a_tiny_model(tiny):
 
 
 class RecordingExits(ForcedExits):
-    """Never exits; records every row's features at every layer, keyed by the row's history."""
+    """Never exits; records every row's features at every layer, keyed by the row's position among
+    the generated tokens and the drafts before it in the pass."""
 
-    def __init__(self, dec, history: list[int]):
+    def __init__(self, dec):
         super().__init__(dec.model, dec.bank, dec.thresholds, lambda step, layer: False)
-        self.history, self.records = history, {}
+        self.records = {}
 
     def begin_pass(self, candidates, draft, token_index):
         super().begin_pass(candidates, draft, token_index)
-        drafts = draft.tolist()
-        self.prefixes = [tuple(self.history) + tuple(drafts[:j]) for j in range(candidates.shape[0])]
+        self.drafts = tuple(draft.tolist())
 
     def fires(self, layer, feats):
-        for row, (prefix, f) in enumerate(zip(self.prefixes, feats)):
-            self.records[prefix, layer] = (row, f.clone())
+        for row, f in enumerate(feats):
+            self.records[self.token_index + row, self.drafts[:row], layer] = f.clone()
         return super().fires(layer, feats)
 
 
@@ -196,23 +182,22 @@ class RecordingExits(ForcedExits):
 def test_features_of_a_verification_row_equal_the_position_decoded_alone(ref):
     """Each row of a verification pass whose history the one-token decode also reached (its
     drafts were right) gets the same features at every layer, float32 rounding aside."""
-    from specee.engine.early_exit import DecodeRun
-
     ids = ref.encode("List three uses of a paperclip.", chat=True)
-    recorded = {}
+    recorded, outputs = {}, {}
     for drafts in (0, 3):
         dec = decoder(ref, NGramDrafter(4, ref.model.cfg.vocab_size), kv_policy="recompute", num_draft_tokens=drafts)
         seq = Sequence(ids, list(ids), SamplingParams(max_tokens=40, ignore_eos=True), ref.tokenizer, ref.eos_ids)
-        run = DecodeRun(dec, [seq])
-        run.exit = RecordingExits(dec, run.history)
-        for _ in run.steps():
-            pass
-        recorded[drafts] = run.exit.records
-    alone, rows = recorded[0], recorded[3]
-    drafted_rows = [key for key, (row, _) in rows.items() if row > 0 and key in alone]
+        exits = RecordingExits(dec)
+        dec.generate(seq, lambda: exits)
+        recorded[drafts], outputs[drafts] = exits.records, seq.output_ids
+    assert outputs[0] == outputs[3]  # never exits: both are full depth
+    out, alone = outputs[0], {(t, layer): f for (t, _, layer), f in recorded[0].items()}
+    # a row whose drafts are the output's own tokens has the history the one-token decode had there
+    drafted_rows = [(t, layer, f) for (t, drafts, layer), f in recorded[3].items()
+                    if drafts and tuple(out[t - len(drafts) : t]) == drafts and (t, layer) in alone]
     assert len(drafted_rows) >= 5 * (ref.model.cfg.num_layers - 1), "the prompt should accept several drafts"
-    for key in drafted_rows:
-        torch.testing.assert_close(rows[key][1], alone[key][1], atol=2e-4, rtol=1e-4)
+    for t, layer, f in drafted_rows:
+        torch.testing.assert_close(f, alone[t, layer], atol=2e-4, rtol=1e-4)
 
 
 def test_one_host_read_per_checked_layer_in_a_verification_pass(tiny):

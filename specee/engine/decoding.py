@@ -31,12 +31,20 @@ class FullDepth:
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step of only decoding requests emitted `tokens` in `seconds`."""
 
+    def prefill_length(self, seq) -> int:
+        """Prompt tokens the prefill runs (all: the first token comes from its last row)."""
+        return len(seq.prompt_ids)
+
     def start(self, r: Running, features: torch.Tensor | None) -> None:
         """The request's prefill gave its first token (`r.last`); features: the prompt rows' features."""
 
     def plan(self, r: Running) -> Segment:
         n = r.cache.length
         return Segment(torch.tensor([r.last], device=self.model.device), r.cache, self.model.range_inputs(n, 1))
+
+    def picks(self, r: Running, rows: int) -> range:
+        """Which of the request's `rows` final rows need logits (here: all)."""
+        return range(rows)
 
     def choose(self, r: Running, logits: torch.Tensor) -> torch.Tensor:
         """The request's verdict on the device from its rows' logits: here [t], the next token."""

@@ -1,21 +1,27 @@
-"""Speculative early-exit decoding (SpecEE): the decode loop.
+"""Speculative early exit (SpecEE) as a decoding of the engine (engine/decoding.py).
 
-Per pass: the drafter proposes k speculative tokens for each row; the layers run one by one,
-and after each scheduled layer the exit controller decides whether the pass leaves there
-(exit/controller.py). A pass is the last token of each request of a batch (one-token early
-exit; requests are left-padded so their last tokens share a cache slot) or, with
-`num_draft_tokens`, one request's last token and a drafted chain verified in the same pass
-(SpecEE's exits inside speculative decoding); the accepted drafts and the next token come
-from the exit layer's argmax, or the last layer's. The KV policy (exit/kv_policy.py: skip, propagate,
-recompute) decides what the skipped layers' cache holds and which carried rows join the pass.
-In lossless mode (recompute), rows that complete the last layer verify the tokens emitted
-before them, and a wrong one is rolled back (exit/lossless.py). Lossless mode, chains and
-teacher forcing take one request at a time (a rollback moves one request's slots).
+Per request and step:
+  1. plan: the request's drafter proposes its speculative tokens (and, with `num_draft_tokens`, a
+     draft chain verified in the same pass: SpecEE's exits inside speculative decoding); its
+     segment is [x_n, d_1..d_m] with early exit's hooks (`ExitPass`). The request's two-level
+     schedule (exit/scheduler.py) says after which layers its predictors are asked;
+  2. the runner's forward (engine/runner.py): carried rows join at the layers they resume from and
+     skip's holes mask each layer (exit/kv_policy.py); after a checked layer the exit controller
+     (exit/controller.py) decides whether the request's token is settled: **this is where a token
+     exits**. The request then leaves the forward; the others run on;
+  3. choose: a request that ran every layer gets its verdict from the final logits (the accepted
+     drafts and the next token; in lossless mode also the full model's judgement of the tokens its
+     carried rows emitted earlier, exit/lossless.py);
+  4. commit: the tokens are emitted (lossless mode holds exited ones until verified, and rolls back
+     at a wrong one), the cache keeps x_n and the accepted drafts (a length change), the drafter
+     and the schedule learn.
+Each request has its own drafter, schedule, predictors' state and KV policy over its own cache, so
+its output depends only on the request and the model, whatever it is batched with.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,399 +29,317 @@ from ..clock import StageTimer, device_time
 from ..drafters.base import Draft, Drafter
 from ..exit.bank import PredictorBank
 from ..exit.config import EarlyExitConfig
-from ..exit.controller import ExitController
-from ..exit.kv_policy import POLICY_CLASSES, join_rows
+from ..exit.controller import ExitController, ExitHit
+from ..exit.kv_policy import POLICY_CLASSES, KVPolicy, Pending, join_rows
 from ..exit.lossless import LosslessVerifier
 from ..exit.scheduler import ExitPayoff, TwoLevelScheduler
 from ..exit.stats import ExitStats
 from ..model.llama import StepInputs, Transformer
-from ..sampling import RowSampler, SamplingParams, probabilities
+from ..sampling import probabilities, sample
 from ..speculative.speculative import SpecStats
 from ..speculative.verify import verify_chain
-from .full_depth import prefill
-from .scheduler import check_fits
+from .decoding import FullDepth
+from .runner import Segment
+from .scheduler import Running
 from .sequence import Sequence
 from .teacher import TeacherForcedStep, TeacherForcing
 
 
-class EarlyExitDecoder:
-    """Decodes requests with early exit; built once per (model, drafter, bank, config)."""
-
-    def __init__(self, model: Transformer, drafter: Drafter, bank: PredictorBank, config: EarlyExitConfig):
-        if bank.k != drafter.k:
-            raise ValueError(f"predictor bank was trained with k={bank.k} speculative tokens, drafter gives k={drafter.k}")
-        if bank.num_layers != model.cfg.num_layers:
-            raise ValueError(f"predictor bank has {bank.num_layers} layers, model has {model.cfg.num_layers}")
-        self.model, self.drafter, self.config = model, drafter, config
-        self.bank = bank.to(model.device, torch.float32)  # features and MLPs run in float32 (exit/features.py)
-        self.thresholds = config.thresholds(bank)
-        offline = bank.offline_layers if config.offline_size is None else bank.ranked_layers[: config.offline_size]
-        self.offline_layers = list(offline)
-        L = model.cfg.num_layers
-        # shared by the requests this decoder serves: what paid in one pass is the best guess for the next
-        self.payoff = ExitPayoff(L, config.check_cost, ExitPayoff.prior_from(bank.summary, L))
-
-    @property
-    def batches(self) -> bool:
-        """Whether requests share passes: lossy one-token exits do; lossless mode and chains take
-        one request at a time."""
-        return self.config.mode == "lossy" and self.config.num_draft_tokens == 0
-
-    def new_scheduler(self) -> TwoLevelScheduler:
-        c = self.config
-        return TwoLevelScheduler(self.model.cfg.num_layers, self.offline_layers, self.thresholds,
-                                 c.online_window, c.online_radius, self.payoff)
-
-    def generate(self, seqs: Sequence | list[Sequence], exits: ExitController | None = None) -> "DecodeRun":
-        """Decode `seqs` (one request, or a batch where `batches`) to completion; returns the run (its
-        cache and stats, for inspection). `exits` replaces the predictors (tests inject
-        exit.controller.ForcedExits)."""
-        run = DecodeRun(self, [seqs] if isinstance(seqs, Sequence) else seqs, exits)
-        for _ in run.steps():
-            pass
-        return run
-
-    def steps(self, seqs: list[Sequence]) -> Iterator[None]:
-        """Decode `seqs` together, yielding after each pass (the caller reads the sequences)."""
-        return DecodeRun(self, seqs).steps()
-
-    @torch.inference_mode()
-    def teacher_forced(self, seq: Sequence, continuation: list[int],
-                       exits: ExitController | None = None) -> list[TeacherForcedStep]:
-        """Run early exit over a fixed continuation: at each position record what early exit would
-        have emitted (and the log-probability of the given token under the distribution it used),
-        then feed the given token. `seq` must be greedy with max_tokens == len(continuation)."""
-        if self.config.mode == "lossless":
-            raise ValueError("teacher forcing measures lossy early exit; lossless mode is exact by construction")
-        teacher = TeacherForcing(continuation)
-        for _ in DecodeRun(self, [seq], exits, teacher).steps():
-            pass
-        return teacher.records
-
-
 @dataclass
-class Request:
-    """One request of a run: a row of the batch."""
+class ExitState:
+    """A request's early exit: its drafter, schedule, predictors, KV policy, history (prompt +
+    emitted tokens, verified or not), lossless verifier and stats; and this step's pass."""
 
-    seq: Sequence
     drafter: Drafter
-    generator: torch.Generator | None
-    history: list[int]  # prompt + emitted (verified or not)
-    pad: int = 0  # cache slots before its prompt (left padding: the batch's last tokens share a slot)
-
-    def catch_up_drafter(self) -> None:
-        """The drafter lags by the tokens emitted since it last drafted."""
-        if len(self.drafter.history) < len(self.history):
-            self.drafter.extend(self.history[len(self.drafter.history):])
-
-
-class DecodeRun:
-    """The state of one decode: the batch's cache, KV policy, exit controller and schedule; per
-    request its history and drafter; the unverified tokens (lossless) and the stats."""
-
-    def __init__(self, dec: EarlyExitDecoder, seqs: list[Sequence], exits: ExitController | None = None,
-                 teacher: TeacherForcing | None = None):
-        if len(seqs) > 1 and not (dec.batches and teacher is None):
-            raise ValueError("lossless mode, chains and teacher forcing decode one request at a time")
-        self.dec, self.teacher = dec, teacher
-        self.model, self.num_layers = dec.model, dec.model.cfg.num_layers
-        device = self.model.device
-        self.requests = [Request(s, dec.drafter if len(seqs) == 1 else dec.drafter.fork(),
-                                 s.params.make_generator(device), list(s.prompt_ids)) for s in seqs]
-        self.sampler = RowSampler([s.params for s in seqs], [r.generator for r in self.requests], device)
-        self.idle = torch.zeros(len(seqs), dtype=torch.bool, device=device)  # finished requests (batches)
-        self.pads: torch.Tensor | None = None  # each request's left padding, when a batch has several
-        self.stats = ExitStats(self.num_layers)
-        self.spec_stats = SpecStats(dec.config.num_draft_tokens) if dec.config.num_draft_tokens else None
-        self.timer = StageTimer(device)  # the drafter's share
-        self.scheduler = dec.new_scheduler()
-        self.exit = exits or ExitController(self.model, dec.bank, dec.thresholds)
-        self.verifier = LosslessVerifier(self) if dec.config.mode == "lossless" else None
-        self.next_ids: torch.Tensor | None = None  # [B, 1]: the last tokens on the device, when they came from there
-        self.no_draft = Draft(torch.empty(0, dtype=torch.long, device=device))
-
-    # the request of the one-request modes (lossless, chains, teacher forcing)
-    @property
-    def seq(self) -> Sequence:
-        return self.requests[0].seq
-
-    @property
-    def history(self) -> list[int]:
-        return self.requests[0].history
-
-    @property
-    def drafter(self) -> Drafter:
-        return self.requests[0].drafter
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.requests[0].seq.params
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self.requests[0].generator
+    scheduler: TwoLevelScheduler
+    exit: ExitController
+    kv: KVPolicy
+    history: list[int]
+    stats: ExitStats
+    timer: StageTimer
+    verifier: LosslessVerifier | None = None
+    spec: SpecStats | None = None
+    teacher: TeacherForcing | None = None
+    step: "ExitPass | None" = None
 
     @property
     def unverified(self) -> list:
         return self.verifier.unverified if self.verifier else []
 
-    def slot(self) -> int:
-        """The cache slot of the last emitted token (the same for every request)."""
-        r = self.requests[0]
-        return r.pad + len(r.history) - 1
+    @property
+    def cache(self):
+        return self.kv.cache
 
-    def inputs(self, start: int, count: int) -> StepInputs:
-        """Step inputs of the rows at slots start..start+count-1, each reading the slots up to its
-        own: for one request RoPE rows are views of the tables; a batch reads through its padding mask."""
-        if self.pads is None:
-            return self.model.range_inputs(start, count)
-        slots = self.cache.slot_ids[start:start + count]
-        # a finished request riding along can pass the model's context: its rows are discarded
-        positions = (slots[None, :] - self.pads[:, None]).clamp_(max=self.model.cfg.max_position_embeddings - 1)
-        end = start + count
-        return self.model.step_inputs(positions, slots, self.cache.attention_mask(0, slots, end), end)
 
-    def emit(self, token: int, exit_layer: int, draft_probs: torch.Tensor | None = None, row: int = 0) -> None:
-        """Append the next token of request `row`; unverified if it exited in lossless mode."""
-        r = self.requests[row]
-        r.history.append(token)
-        self.next_ids = None  # built from the histories unless the pass sets it from the device
-        if r.seq.finished:  # a finished request of a batch rides along until the batch ends, uncounted
-            return
-        self.stats.exit_histogram[exit_layer] += 1
-        if len(self.requests) == 1:  # a batch's schedule learns once per pass (emit_pass)
-            self.scheduler.record(exit_layer)
-        if self.verifier is not None and exit_layer < self.num_layers - 1:
-            self.verifier.hold(token, exit_layer, draft_probs)
-        else:
-            r.seq.append(token)
-            if r.seq.finished:
-                self.mark_finished(row)
+@dataclass
+class ExitPass:
+    """One request's pass through a step's forward (the runner's LayerHooks): rows [x_n, drafts] at
+    slots n..n+R-1, carried rows joining by resume layer, the layers checked."""
 
-    def mark_finished(self, row: int) -> None:
-        """Request `row` finished (or was aborted): its row no longer holds up a batch's exits."""
-        self.finished_at[row] = device_time(self.model.device)
-        self.idle[row] = True
+    state: ExitState
+    n: int
+    R: int
+    draft: Draft
+    checks: list[bool] | None  # None: no layer is checked (a forced full-depth pass, or a flush)
+    waiting: list[Pending]
+    forced: bool
+    active: list[int] = field(default_factory=list)  # the slots of the segment's rows, in order
+    hit: ExitHit | None = None
+    events: tuple[set[int], set[int]] = field(init=False)
 
-    def done(self) -> bool:
-        if all(r.seq.finished for r in self.requests):
-            return True
-        if not self.unverified:
+    def __post_init__(self) -> None:
+        self.active = list(range(self.n, self.n + self.R))
+        joins = {p.resume for p in self.waiting}
+        L = len(self.state.exit.thresholds)
+        before = set(range(L)) if self.state.kv.masks_layers else joins
+        self.events = (before, {i for i, on in enumerate(self.checks or ()) if on})
+
+    def before_layer(self, i: int, h: torch.Tensor, step: StepInputs) -> tuple[torch.Tensor, StepInputs]:
+        model = self.state.kv.model
+        if self.waiting and self.waiting[0].resume == i:
+            h, self.active = join_rows(self.waiting, i, h if h.shape[1] else None, self.active)
+            step = model.range_inputs(self.active[0], len(self.active))
+        if self.state.kv.masks_layers:
+            step = self.state.kv.layer_inputs(i, step, self.n)
+        return h, step
+
+    def after_layer(self, i: int, h_in: torch.Tensor, h: torch.Tensor) -> bool:
+        """Whether the request's token leaves after layer i (the exit controller decides)."""
+        st, R = self.state, self.R
+        hit = st.exit.try_exit(i, h_in[0, -R:], h[0, -R:])
+        st.scheduler.observe(i, hit is not None)
+        if hit is None:
             return False
-        # unverified tokens count toward the limits; the final flush settles them
-        last = self.unverified[-1].token
-        at_eos = last in self.seq.eos_ids and not self.params.ignore_eos
-        return at_eos or len(self.seq.output_ids) + len(self.unverified) >= self.params.max_tokens
+        st.stats.exits_accepted += 1
+        kept = len(self.active) - R + len(hit.tokens)  # carried rows, x_n and the accepted drafts
+        st.kv.after_exit(i, h[:, :kept], self.active[:kept])
+        self.hit = hit
+        return True
 
-    # ---- the requests ---------------------------------------------------------------------
-    @torch.inference_mode()
-    def steps(self) -> Iterator[None]:
-        """Decode the requests, yielding after each pass or flush."""
-        model, seqs = self.model, [r.seq for r in self.requests]
-        for s in seqs:
-            check_fits(model.cfg.context_limit, len(s.prompt_ids), s.params.max_tokens)
-        # All but the last prompt token at full depth; the last one is the first early-exit pass,
-        # so the first generated token can exit too (it is all a multiple-choice answer has).
-        # Lossless mode prefills the whole prompt instead: its first token, and every K/V entry, are
-        # then those of full-depth decoding (the same prefill call: a shorter one, or a one-row pass,
-        # rounds differently, which parted lossless from full depth at near-ties on 14-18 of 100 prompts).
-        self.whole_prefill = whole = self.verifier is not None
-        width = max(len(s.prompt_ids) for s in seqs) - (0 if whole else 1)
-        for r in self.requests:
-            r.pad = width + (0 if whole else 1) - len(r.seq.prompt_ids)
-        extra = self.dec.config.num_draft_tokens + 1
-        self.cache = model.new_cache(len(seqs), width + 1 + max(s.params.max_tokens for s in seqs) + extra)
-        if len(seqs) > 1:
-            self.pads = torch.tensor([r.pad for r in self.requests], device=model.device)
-        self.kv = POLICY_CLASSES[self.dec.config.kv_policy](model, self.cache, self.inputs)
-        self.finished_at: dict[int, float] = {}  # row -> when its request finished
-        t0 = device_time(model.device)
-        if width:
-            h = prefill(model, self.cache, [s.prompt_ids if whole else s.prompt_ids[:-1] for s in seqs])
-        for r in self.requests:
-            r.drafter.reset(r.seq.prompt_ids, r.seq.params.max_tokens)  # sizes a draft model's cache
-        if whole:
-            self.emit(int(self.sampler(model.logits(h))[0]), self.num_layers - 1)
-        t1 = device_time(model.device)
-        try:
-            while True:
-                if self.done():
-                    if not self.unverified or not self.flush():
-                        break
-                    yield
-                    continue
-                self.step()
-                yield
-        finally:  # also when the caller stops early (a closed stream)
-            self.settle_stats(t0, t1, device_time(model.device))
 
-    def settle_stats(self, t0: float, t1: float, end: float) -> None:
-        """Each request's timing, exit and speculation stats (the exit stats are the run's: a batch's
-        counts cover its requests' tokens, its time shares the batch's decode time)."""
-        s, e, c = self.stats, self.exit, self.dec.config
-        s.predictor_calls, s.exits_rejected = e.predictor_calls, e.rejected
-        s.drafter_seconds = self.timer.seconds("drafter")
-        s.predictor_seconds, s.verify_seconds = e.timer.seconds("predictors"), e.timer.seconds("verification")
-        for row, r in enumerate(self.requests):
-            st = r.seq.stats
-            st.prefill_seconds = t1 - t0
-            st.decode_seconds = self.finished_at.get(row, end) - t1
-            st.decode_tokens = len(r.seq.output_ids) - self.whole_prefill  # a lossless prefill gave the first
-            st.early_exit = s.as_dict(end - t1, self.verifier is not None)
-            st.early_exit.update(kv_policy=c.kv_policy, mode=c.mode, offline_layers=self.dec.offline_layers,
-                                 online_window=c.online_window, online_radius=c.online_radius,
-                                 batch_size=len(self.requests))
-        if self.spec_stats is not None:
-            self.spec_stats.draft_seconds = s.drafter_seconds
-            method = "ngram" if self.drafter.fingerprint.startswith("ngram") else "draft_model"
-            self.seq.stats.speculative = {"method": method, "num_speculative_tokens": c.num_draft_tokens,
-                                          **self.spec_stats.as_dict(self.seq.stats.decode_seconds)}
+class EarlyExitDecoding(FullDepth):
+    """Early exit with `drafter`'s speculative tokens and `bank`'s predictors, as `config` says.
+    exits: makes each request's exit controller (tests inject exit.controller.ForcedExits)."""
 
-    def draft(self, checking: bool) -> Draft:
-        """The pass's draft chain (none without speculation or in a batch); when a layer will be
-        checked, every row's speculative tokens go to the exit controller."""
-        for r in self.requests:
-            r.catch_up_drafter()
-        token_index = len(self.history) - len(self.seq.prompt_ids)
-        if len(self.requests) > 1:  # one row per request
-            for row, r in enumerate(self.requests):
-                if r.seq.finished and row not in self.finished_at:  # aborted since the last pass
-                    self.mark_finished(row)
-            if checking:
-                candidates = torch.stack([r.drafter.propose() for r in self.requests])
-                self.exit.begin_pass(candidates, None, token_index, self.idle)
-            return self.no_draft
-        drafter = self.drafter
-        room = self.params.max_tokens - len(self.seq.output_ids) - len(self.unverified) - 1
-        n = min(self.dec.config.num_draft_tokens, room)
-        draft = self.no_draft if n <= 0 else drafter.draft(n, self.params, self.generator, self.model.cfg.vocab_size)
+    def __init__(self, model: Transformer, drafter: Drafter, bank: PredictorBank, config: EarlyExitConfig,
+                 exits: Callable[[], ExitController] | None = None):
+        if bank.k != drafter.k:
+            raise ValueError(f"predictor bank was trained with k={bank.k} speculative tokens, drafter gives k={drafter.k}")
+        if bank.num_layers != model.cfg.num_layers:
+            raise ValueError(f"predictor bank has {bank.num_layers} layers, model has {model.cfg.num_layers}")
+        super().__init__(model)
+        self.drafter, self.config = drafter, config
+        self.bank = bank.to(model.device, torch.float32)  # features and MLPs run in float32 (exit/features.py)
+        self.thresholds = config.thresholds(bank)
+        offline = bank.offline_layers if config.offline_size is None else bank.ranked_layers[: config.offline_size]
+        self.offline_layers = list(offline)
+        self.prior = ExitPayoff.prior_from(bank.summary, model.cfg.num_layers)
+        self.make_exits = exits or (lambda: ExitController(model, self.bank, self.thresholds))
+        self.extra_rows = config.num_draft_tokens + 1
+        self.lossless = config.mode == "lossless"
+        self.overrides: dict[str, tuple] = {}  # request id -> (exits, teacher) of `generate` / `teacher_forced`
+
+    # ---- one request on an engine of its own (tests, the quality benchmark) -----------------------
+    def generate(self, seqs: Sequence | list[Sequence],
+                 exits: Callable[[], ExitController] | list[Callable[[], ExitController]] | None = None,
+                 teacher: TeacherForcing | None = None) -> ExitState | list[ExitState]:
+        """Decode `seqs` to completion, batched; returns each request's ExitState (one, for one).
+        exits: the maker of every request's exit controller, or one maker per request."""
+        from .engine import Engine
+
+        batch = [seqs] if isinstance(seqs, Sequence) else seqs
+        makers = exits if isinstance(exits, list) else [exits] * len(batch)
+        states: dict[str, ExitState] = {}
+        for s, make in zip(batch, makers):
+            self.overrides[s.request_id] = (make, teacher, states)
+        engine = Engine(self.model, self, kv_cache_memory=sum(len(s.prompt_ids) + s.params.max_tokens
+                                                              + self.extra_rows + 16 for s in batch))
+        for s in batch:
+            engine.add_request(s)
+        while engine.has_unfinished():
+            engine.step()
+        for s in batch:
+            if s.error:
+                raise ValueError(s.error)
+        out = [states[s.request_id] for s in batch]
+        return out[0] if isinstance(seqs, Sequence) else out
+
+    def teacher_forced(self, seq: Sequence, continuation: list[int]) -> list[TeacherForcedStep]:
+        """What early exit would emit at each position of a fixed continuation (and the
+        log-probability of the given token under the distribution it used), fed the given token."""
+        if self.lossless:
+            raise ValueError("teacher forcing measures lossy early exit; lossless mode is exact by construction")
+        teacher = TeacherForcing(continuation)
+        self.generate(seq, teacher=teacher)
+        return teacher.records
+
+    # ---- the decoding ---------------------------------------------------------------------
+    def prefill_length(self, seq: Sequence) -> int:
+        """Lossy: all but the last prompt token, whose pass is the first early-exit pass (the first
+        token can exit too: it is all a multiple-choice answer has). Lossless: the whole prompt, so
+        its first token and every K/V entry are full depth's own (a shorter prefill rounds
+        differently, which parted lossless from full depth at near-ties)."""
+        return len(seq.prompt_ids) - (0 if self.lossless else 1)
+
+    def start(self, r: Running, features: torch.Tensor | None) -> None:
+        c, model = self.config, self.model
+        exits, teacher, states = self.overrides.pop(r.seq.request_id, (None, None, None))
+        drafter = self.drafter.fork()
+        drafter.reset(r.seq.prompt_ids, r.seq.params.max_tokens)  # sizes a draft model's cache
+        payoff = ExitPayoff(model.cfg.num_layers, c.check_cost, self.prior)
+        scheduler = TwoLevelScheduler(model.cfg.num_layers, self.offline_layers, self.thresholds,
+                                      c.online_window, c.online_radius, payoff)
+        r.state = st = ExitState(drafter, scheduler, (exits or self.make_exits)(),
+                                 POLICY_CLASSES[c.kv_policy](model, r.cache, model.range_inputs),
+                                 list(r.seq.prompt_ids), ExitStats(model.cfg.num_layers), StageTimer(model.device),
+                                 spec=SpecStats(c.num_draft_tokens) if c.num_draft_tokens else None, teacher=teacher)
+        if self.lossless:
+            st.verifier = LosslessVerifier(st, model.cfg.num_layers, r.seq.params.greedy)
+            r.cache.filled[:, :, : len(r.seq.prompt_ids)] = True
+            st.history.append(r.last)
+            self.count(st, model.cfg.num_layers - 1)
+        else:
+            r.cache.filled[:, :, : len(r.seq.prompt_ids) - 1] = True
+        if states is not None:
+            states[r.seq.request_id] = st
+
+    def plan(self, r: Running) -> Segment:
+        st, model, c = r.state, self.model, self.config
+        n = len(st.history) - 1  # the slot of the last emitted token, whose K/V this pass writes
+        if self.flushing(r):  # complete the carried rows without a new token, to verify the last ones
+            waiting = st.kv.begin_step(n + 1, 0)
+            st.step = ExitPass(st, n + 1, 0, Draft(model.slot_ids[:0]), None, waiting, True)
+            st.stats.deep_passes += 1
+            return Segment(model.slot_ids[:0], r.cache, model.range_inputs(n + 1, 1), st.step)
+        owed = len(st.unverified) if st.verifier else len(st.kv.pending)
+        forced = owed >= c.max_pending  # this pass runs every layer
+        st.stats.forced_full += forced
+        check = st.exit.layers(st.scheduler)
+        checking = not forced and True in check  # else no candidates are needed (a draft model's extra step)
+        t = st.timer.start()
+        draft = self.draft(r, checking)
+        st.timer.stop("drafter", t)
+        R = draft.tokens.shape[0] + 1
+        waiting = st.kv.begin_step(n, R)  # carried rows, joined at their resume layers (older slots first)
+        st.step = ExitPass(st, n, R, draft, check if checking else None, waiting, forced)
+        r.cache.length = n + R
+        tokens = torch.cat([model.slot_ids.new_tensor(st.history[-1:]), draft.tokens])
+        return Segment(tokens, r.cache, model.range_inputs(n, R), st.step)
+
+    def flushing(self, r: Running) -> bool:
+        """Whether the unverified tokens already reach the request's end (lossless): an EOS, or max_tokens."""
+        st, params = r.state, r.seq.params
+        if not st.unverified:
+            return False
+        at_eos = st.unverified[-1].token in r.seq.eos_ids and not params.ignore_eos
+        return at_eos or len(r.seq.output_ids) + len(st.unverified) >= params.max_tokens
+
+    def draft(self, r: Running, checking: bool) -> Draft:
+        """The pass's draft chain (none without speculation); when a layer will be checked, every
+        row's speculative tokens go to the exit controller."""
+        st, params = r.state, r.seq.params
+        if len(st.drafter.history) < len(st.history):  # the drafter lags by the tokens emitted since it drafted
+            st.drafter.extend(st.history[len(st.drafter.history):])
+        room = params.max_tokens - len(r.seq.output_ids) - len(st.unverified) - 1
+        n = min(self.config.num_draft_tokens, room)
+        draft = (Draft(self.model.slot_ids[:0]) if n <= 0
+                 else st.drafter.draft(n, params, r.generator, self.model.cfg.vocab_size))
         if checking:
-            candidates = drafter.propose()[None] if n <= 0 else drafter.row_candidates(draft)
-            self.exit.begin_pass(candidates, draft.tokens, token_index)
+            candidates = st.drafter.propose()[None] if n <= 0 else st.drafter.row_candidates(draft)
+            st.exit.begin_pass(candidates, draft.tokens, len(st.history) - len(r.seq.prompt_ids))
         return draft
 
-    def step(self) -> None:
-        """Feed each request's last emitted token (at slot n) and, for one request, the drafts after
-        it through the model until the pass exits; emit the accepted drafts and the next tokens."""
-        model, stats, L = self.model, self.stats, self.num_layers
-        n = self.slot()
-        owed = len(self.unverified) if self.verifier else len(self.kv.pending)
-        forced = owed >= self.dec.config.max_pending  # this pass runs every layer
-        stats.forced_full += forced
-        check = self.exit.layers(self.scheduler)
-        checking = not forced and True in check  # else no candidates are needed (a draft model's extra step)
-        t = self.timer.start()
-        draft = self.draft(checking)
-        R = draft.tokens.shape[0] + 1  # a request's own rows: x_n and its drafts
-        self.timer.stop("drafter", t)
+    def picks(self, r: Running, rows: int) -> range:
+        """Rows whose final logits the verdict needs: lossless, the carried rows too (they verify)."""
+        return range(rows) if self.lossless else range(rows - r.state.step.R, rows)
 
-        waiting = self.kv.begin_step(n, R)  # carried rows, joined at their resume layers (older slots first)
-        active = list(range(n, n + R))
-        if self.next_ids is None:
-            self.next_ids = torch.tensor([r.history[-1:] for r in self.requests], device=model.device)
-        h = model.embed(self.next_ids if R == 1 else torch.cat([self.next_ids.view(1), draft.tokens]).view(1, R))
-        step_in = self.inputs(n, R)
-        self.cache.length = n + R
-        masked = self.kv.masks_layers
-        for i in range(L):
-            if waiting and waiting[0].resume == i:
-                h, active = join_rows(waiting, i, h, active)
-                step_in = self.inputs(active[0], len(active))
-            if masked:
-                step_in = self.kv.layer_inputs(i, step_in, n)
-            h_in, h = h, model.layer(i, h, step_in, self.cache)
-            if not checking or not check[i]:
-                continue
-            hit = self.exit.try_exit(i, h_in[:, -R:].flatten(0, 1), h[:, -R:].flatten(0, 1))
-            self.scheduler.observe(i, hit is not None)
-            if hit is not None:
-                stats.exits_accepted += 1
-                tokens, ids = self.choose(hit.logits, draft, i, hit.tokens, hit.ids)
-                kept = len(active) - R + len(tokens[0])  # carried rows, x_n and the accepted drafts
-                self.kv.after_exit(i, h[:, :kept], active[:kept])
-                self.cache.length = n + len(tokens[0])
-                self.emit_pass(tokens, ids, i, hit.logits, R - 1)
-                return
-        self.kv.after_full_depth(active)
-        if self.verifier is not None:  # the carried rows verify what they emitted
-            logits = model.logits(h[0])  # [rows, V]
-            stats.deep_passes += len(active) > R
-            if not self.verifier.verify(active[:-R], logits[:-R], at_bound=forced):
-                return
-            logits = logits[-R:]
-        else:
-            logits = model.logits(h[:, -R:].flatten(0, 1))
-        tokens, ids = self.choose(logits, draft, L - 1)
-        self.cache.length = n + len(tokens[0])
-        self.emit_pass(tokens, ids, L - 1, logits, R - 1)
+    def choose(self, r: Running, logits: torch.Tensor | None) -> torch.Tensor | list[int]:
+        """Exited: [a, tokens...] already read by the controller. Full depth: the carried rows'
+        judgements (lossless), then the chain's verdict [a, t_0..t_m]."""
+        st, p = r.state, r.state.step
+        if p.hit is not None:
+            return [len(p.hit.tokens) - 1, *p.hit.tokens]
+        carried = logits.shape[0] - p.R  # lossless: the rows that completed and verify
+        judged = st.verifier.judge(logits[:carried], r.seq.params, r.generator) if carried else None
+        own = logits[carried:]
+        if st.teacher is not None:
+            st.teacher.logits = own
+        if p.R == 0:
+            return judged
+        verdict = verify_chain(p.draft.tokens, p.draft.probs, own, r.seq.params, r.generator)
+        return verdict if judged is None else torch.cat([judged, verdict])
 
-    def choose(self, logits: torch.Tensor, draft: Draft, layer: int, greedy_tokens: list[int] | None = None,
-               greedy_ids: torch.Tensor | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
-        """The tokens each request emits from a pass leaving after `layer`, from the rows' logits
-        [r, V] (one request's chain, or a batch's requests): the accepted drafts and the next token
-        (one host read), and the last ones on the device. greedy_tokens: already decided (an exit's
-        argmaxes). A teacher's continuation replaces them from its first difference."""
-        if len(self.requests) > 1:
-            if greedy_tokens is None or not self.sampler.greedy:
-                greedy_ids = self.sampler(logits)
-                greedy_tokens = greedy_ids.tolist()
-            return [[t] for t in greedy_tokens], greedy_ids
-        if greedy_tokens is not None and self.params.greedy:
-            tokens, ids = greedy_tokens, greedy_ids
-        else:
-            verdict = verify_chain(draft.tokens, draft.probs, logits, self.params, self.generator)
-            accepted, *rest = verdict.tolist()
-            tokens, ids = rest[: accepted + 1], verdict[1 + accepted : 2 + accepted]
-        if self.teacher is not None:
-            base = len(self.history) - len(self.seq.prompt_ids)
-            for j, token in enumerate(tokens):
-                target = self.teacher(base + j, token, layer, logits[j:j + 1])
-                if target != token:
-                    return [tokens[:j] + [target]], None
-        return [tokens], ids
-
-    def emit_pass(self, tokens: list[list[int]], ids: torch.Tensor | None, exit_layer: int, logits: torch.Tensor,
-                  drafted: int) -> None:
-        """Emit a pass's tokens per request (the last ones' ids on the device); an EOS ends them. In
-        lossless mode an exited pass's tokens are held with the exit layer's distributions (sampling)."""
-        if len(self.requests) > 1:
-            for row, (token,) in enumerate(tokens):
-                self.emit(token, exit_layer, row=row)
-            self.scheduler.record(exit_layer)
-            self.next_ids = None if ids is None else ids.view(-1, 1)
-            return
-        (tokens,) = tokens
-        held_probs = None
-        if self.verifier is not None and not self.params.greedy and exit_layer < self.num_layers - 1:
-            held_probs = probabilities(logits[: len(tokens)], self.params)
-        emitted = len(tokens)
+    def commit(self, r: Running, verdict: list[int], features: torch.Tensor | None) -> list[int]:
+        st, p, L = r.state, r.state.step, self.model.cfg.num_layers
+        emitted: list[int] = []
+        if p.hit is None:
+            st.kv.after_full_depth(p.active)
+            if st.verifier is not None:
+                carried = len(p.active) - p.R
+                st.stats.deep_passes += carried > 0 and p.R > 0
+                emitted, ok = st.verifier.settle(verdict, carried, at_bound=p.forced or p.R == 0)
+                if not ok or p.R == 0:
+                    return emitted
+                verdict = verdict[st.verifier.width(carried):]
+        if p.R == 0:
+            return emitted
+        accepted, tokens = verdict[0], verdict[1 : 2 + verdict[0]]
+        layer = L - 1 if p.hit is None else p.hit.layer
+        if st.teacher is not None:
+            tokens = self.teach(r, tokens, layer)
+        r.cache.length = p.n + len(tokens)
+        held = None
+        if st.verifier is not None and layer < L - 1 and not r.seq.params.greedy:
+            held = probabilities(p.hit.logits[: len(tokens)], r.seq.params)
+        count = len(tokens)
         for j, token in enumerate(tokens):
-            self.emit(token, exit_layer, None if held_probs is None else held_probs[j:j + 1])
-            if self.seq.finished or (token in self.seq.eos_ids and not self.params.ignore_eos):
-                emitted = j + 1
+            st.history.append(token)
+            self.count(st, layer)
+            if st.verifier is not None and layer < L - 1:
+                st.verifier.hold(token, layer, None if held is None else held[j : j + 1])
+            else:
+                emitted.append(token)
+            if token in r.seq.eos_ids and not r.seq.params.ignore_eos:
+                count = j + 1
                 break
-        if emitted == len(tokens) and ids is not None:
-            self.next_ids = ids.view(1, 1)
-        matched = min(len(tokens) - 1, emitted)  # accepted drafts among the emitted tokens
-        if self.spec_stats is not None:
-            self.spec_stats.record(drafted, matched)
-        if drafted:
-            self.drafter.commit(tokens[:emitted], matched)
+        matched = min(len(tokens) - 1, count, accepted)  # accepted drafts among the emitted tokens
+        if st.spec is not None:
+            st.spec.record(p.R - 1, matched)
+        if p.R > 1:
+            st.drafter.commit(tokens[:count], matched)
+        return emitted
 
-    def flush(self) -> bool:
-        """Complete the carried rows without a new token, to verify the last unverified tokens.
-        Returns True if decoding must continue (a rollback replaced a token)."""
-        model = self.model
-        waiting = self.kv.begin_step(self.slot())
-        if not waiting:
-            return False
-        self.stats.deep_passes += 1
-        h, active = None, []
-        for i in range(waiting[0].resume, self.num_layers):
-            if waiting and waiting[0].resume == i:
-                h, active = join_rows(waiting, i, h, active)
-                step_in = self.inputs(active[0], len(active))
-            h = model.layer(i, h, step_in, self.cache)
-        self.kv.after_full_depth(active)
-        ok = self.verifier.verify(active, model.logits(h[0]), at_bound=True)
-        return not ok and not self.seq.finished
+    @staticmethod
+    def count(st: ExitState, layer: int) -> None:
+        st.stats.exit_histogram[layer] += 1
+        st.scheduler.record(layer)
+
+    def teach(self, r: Running, tokens: list[int], layer: int) -> list[int]:
+        """A teacher's continuation replaces the pass's tokens from their first difference."""
+        st, p = r.state, r.state.step
+        logits = p.hit.logits if p.hit is not None else st.teacher.logits
+        base = len(st.history) - len(r.seq.prompt_ids)
+        for j, token in enumerate(tokens):
+            target = st.teacher(base + j, token, layer, logits[j : j + 1])
+            if target != token:
+                return tokens[:j] + [target]
+        return tokens
+
+    def stats(self, r: Running, decode_seconds: float) -> dict | None:
+        """The request's exit stats (and speculation's, with a draft chain); they go to
+        `RequestStats.early_exit` / `.speculative` (the engine files the speculative part)."""
+        st, c = r.state, self.config
+        if st is None:
+            return None
+        s, e = st.stats, st.exit
+        s.predictor_calls, s.exits_rejected = e.predictor_calls, e.rejected
+        s.drafter_seconds = st.timer.seconds("drafter")
+        s.predictor_seconds, s.verify_seconds = e.timer.seconds("predictors"), e.timer.seconds("verification")
+        r.seq.stats.early_exit = {**s.as_dict(decode_seconds, st.verifier is not None), "kv_policy": c.kv_policy,
+                                  "mode": c.mode, "offline_layers": self.offline_layers,
+                                  "online_window": c.online_window, "online_radius": c.online_radius}
+        if st.spec is None:
+            return None
+        st.spec.draft_seconds = s.drafter_seconds
+        method = "ngram" if self.drafter.fingerprint.startswith("ngram") else "draft_model"
+        return {"method": method, "num_speculative_tokens": c.num_draft_tokens, **st.spec.as_dict(decode_seconds)}

@@ -69,8 +69,8 @@ class Engine:
             decoding = sum(r.prefilled for r in batch)
             self.decoding.begin_step(decoding)
             segments = [self._plan(r) for r in batch]
-            h, features = self.runner.forward(segments, self.decoding.feature_layers)
-            emitted = self._commit(batch, segments, h, features, t0)
+            h, features, rows = self.runner.forward(segments, self.decoding.feature_layers)
+            emitted = self._commit(batch, rows, h, features, t0)
             if decoding == len(batch):  # a pure decode step measures the decoding (no prefill inside)
                 self.decoding.end_step(emitted, device_time(self.model.device) - t0)
         failed, done = self.scheduler.retire()
@@ -79,59 +79,79 @@ class Engine:
         return failed + [r.seq for r in done]
 
     def _plan(self, r: Running) -> Segment:
-        if r.prefilled:
-            return self.decoding.plan(r)
-        ids = torch.tensor(r.seq.prompt_ids, device=self.model.device)
-        return Segment(ids, r.cache, self.model.range_inputs(0, len(r.seq.prompt_ids)))
+        if not r.prefilled:
+            n = self.decoding.prefill_length(r.seq)
+            if n:
+                ids = torch.tensor(r.seq.prompt_ids[:n], device=self.model.device)
+                return Segment(ids, r.cache, self.model.range_inputs(0, n))
+            self._start(r, [], None, device_time(self.model.device))  # nothing to prefill (early exit, one-token prompt)
+        return self.decoding.plan(r)
 
-    def _commit(self, batch: list[Running], segments: list[Segment], h: torch.Tensor,
+    def _commit(self, batch: list[Running], rows: list[int], h: torch.Tensor,
                 features: torch.Tensor | None, t0: float) -> int:
-        """Choose every request's tokens from its rows' logits (a newcomer: its prompt's last row) with
-        one LM-head call and one host read, then commit them; returns how many tokens were emitted."""
+        """Choose every request's tokens from its rows' logits (a newcomer: its prompt's last row)
+        with one LM-head call and one host read, then commit them; returns how many tokens were
+        emitted. A request whose rows left the forward early (an exit) already has its verdict."""
         firsts, picks, offset = [], [], 0
-        for r, seg in zip(batch, segments):
-            n = seg.tokens.shape[0]
+        for r, n in zip(batch, rows):
             firsts.append(offset)
-            picks.append(torch.arange(offset, offset + n) if r.prefilled else torch.tensor([offset + n - 1]))
+            if not n:
+                pick = range(0)
+            elif r.prefilled:
+                pick = self.decoding.picks(r, n)
+            else:  # a prefill: its last row gives the first token, if the decoding takes it from there
+                pick = range(n - 1, n) if n == len(r.seq.prompt_ids) else range(0)
+            picks.append(torch.arange(offset + pick.start, offset + pick.stop))
             offset += n
         index = torch.cat(picks).to(h.device)
-        logits = self.model.logits(h.index_select(0, index))
+        logits = self.model.logits(h.index_select(0, index)) if index.numel() else None
         verdicts, at = [], 0
         for r, pick in zip(batch, picks):
-            rows = logits[at : at + len(pick)]
+            own = None if logits is None else logits[at : at + len(pick)]
             at += len(pick)
-            verdicts.append(self.decoding.choose(r, rows) if r.prefilled else sample(rows, r.seq.params, r.generator))
-        sizes = [v.shape[0] for v in verdicts]
-        values = torch.cat(verdicts).tolist()  # the step's one host read
+            if r.prefilled:
+                verdicts.append(self.decoding.choose(r, own))
+            else:
+                verdicts.append(sample(own, r.seq.params, r.generator) if len(pick) else [])
+        on_device = [v for v in verdicts if isinstance(v, torch.Tensor)]
+        values = torch.cat(on_device).tolist() if on_device else []  # the step's one host read
         now = device_time(self.model.device)
         at = total = 0
-        for r, seg, first, size in zip(batch, segments, firsts, sizes):
-            verdict, at = values[at : at + size], at + size
-            rows = slice(first, first + seg.tokens.shape[0])
-            feats = None if features is None else features[rows]
+        for r, first, n, verdict in zip(batch, firsts, rows, verdicts):
+            if isinstance(verdict, torch.Tensor):
+                verdict, at = values[at : at + verdict.shape[0]], at + verdict.shape[0]
+            feats = None if features is None else features[first : first + n]
             if NONFINITE_TOKEN in verdict:  # NaN or Inf logits: the request ends with an error, no one else does
                 r.seq.append(NONFINITE_TOKEN)
                 continue
             if r.prefilled:
                 emitted = self.decoding.commit(r, verdict, feats)
-            else:  # the prefill's token; the decoding starts from it
-                r.prefilled, r.last, emitted = True, verdict[0], verdict
-                r.cache.length = len(r.seq.prompt_ids)
+            else:
+                emitted = verdict
+                self._start(r, verdict, feats, now)
                 r.seq.stats.prefill_seconds = now - t0
-                r.decode_since = now
-                self.decoding.start(r, feats)
             for token in emitted:
                 r.seq.append(token)
                 if r.seq.finished:
                     break
-            r.last = emitted[-1]
+            if emitted:
+                r.last = emitted[-1]
             total += len(emitted)
         return total
+
+    def _start(self, r: Running, first: list[int], features: torch.Tensor | None, now: float) -> None:
+        """The request's prefill is done (its first token, if the prefill gave one); its decoding starts."""
+        r.prefilled = True
+        r.last = first[0] if first else r.seq.prompt_ids[-1]
+        r.cache.length = self.decoding.prefill_length(r.seq)
+        r.decode_since = now
+        self.decoding.start(r, features)
 
     def _settle(self, r: Running) -> None:
         """A finished request's decode timing and its decoding's stats."""
         stats = r.seq.stats
         if r.prefilled:
             stats.decode_seconds = device_time(self.model.device) - r.decode_since
-            stats.decode_tokens = max(len(r.seq.output_ids) - 1, 0)  # the first token came from the prefill
+            from_prefill = self.decoding.prefill_length(r.seq) == len(r.seq.prompt_ids)  # the first token came from it
+            stats.decode_tokens = max(len(r.seq.output_ids) - from_prefill, 0)
             stats.speculative = self.decoding.stats(r, stats.decode_seconds)

@@ -21,9 +21,8 @@ from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer, utf8_text
 from ..exit.config import EarlyExitConfig
-from .early_exit import EarlyExitDecoder
+from .early_exit import EarlyExitDecoding
 from .engine import DEFAULT_MAX_NUM_SEQS, Engine
-from .exclusive import ExclusiveEngine
 from .sequence import RequestOutput, Sequence
 from .teacher import TeacherForcedStep
 from .threads import ThreadPolicy, check_threads
@@ -159,7 +158,7 @@ class LLM:
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
         self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
-        self._early_exit: EarlyExitDecoder | None = None
+        self._early_exit: EarlyExitDecoding | None = None
         self._speculative = None  # a SpeculativeDecoding (speculative/speculative.py), the engine's decoding
         self._uncalibrated: tuple[EarlyExitConfig, Drafter] | None = None  # early exit waiting for its bank
         if early_exit is not None:
@@ -168,11 +167,11 @@ class LLM:
             self.enable_speculative(speculative_config)
 
     @property
-    def early_exit(self) -> EarlyExitDecoder | None:
+    def early_exit(self) -> EarlyExitDecoding | None:
         return self._early_exit
 
     @early_exit.setter
-    def early_exit(self, decoder: EarlyExitDecoder | None) -> None:
+    def early_exit(self, decoder: EarlyExitDecoding | None) -> None:
         """Switch early exit (benchmarks and tests switch modes on one loaded model): a new engine."""
         self._early_exit = decoder
         self._new_engine()
@@ -187,12 +186,8 @@ class LLM:
         self._new_engine()
 
     def _new_engine(self) -> None:
-        """The engine for the configured mode: the batched engine core (full depth, speculative
-        decoding), or the early-exit modes' own engine (engine/exclusive.py)."""
-        if self.early_exit is not None:
-            self.engine = ExclusiveEngine(self._decode, self._batches, self.model.cfg.context_limit)
-        else:
-            self.engine = Engine(self.model, self.speculative, self.kv_cache_memory, self.max_num_seqs)
+        """The engine for the configured decoding: early exit, speculative decoding or full depth."""
+        self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory, self.max_num_seqs)
         if getattr(self, "_worker", None) is not None:  # modes switch between requests, none in flight
             self._worker.engine = self.engine
 
@@ -233,7 +228,7 @@ class LLM:
 
     def _use_bank(self, config: EarlyExitConfig, drafter: Drafter, bank: PredictorBank) -> None:
         drafter.restrict_vocab(bank.draft_vocab)  # the shortlist the predictors were calibrated with
-        self.early_exit = EarlyExitDecoder(self.model, drafter, bank, config)
+        self.early_exit = EarlyExitDecoding(self.model, drafter, bank, config)
 
     def bank_cache_path(self, drafter: Drafter, k: int) -> Path:
         """Where the bank for this target + drafter + k + dtype is cached; the suffix names the
@@ -345,25 +340,10 @@ class LLM:
         return self._worker
 
     def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> list[TeacherForcedStep]:
-        """What early exit would emit at each position of a fixed continuation (see EarlyExitDecoder)."""
+        """What early exit would emit at each position of a fixed continuation (see EarlyExitDecoding)."""
         self.calibrate()
         if self.early_exit is None:
             raise ValueError("teacher_forced needs early exit enabled (LLM(..., early_exit=EarlyExitConfig(...)))")
         params = SamplingParams(max_tokens=len(continuation), ignore_eos=True)
         seq = Sequence(prompt_ids, list(prompt_ids), params, self.tokenizer, self.eos_ids)
         return self.early_exit.teacher_forced(seq, continuation)
-
-    def _batches(self) -> bool:
-        """Whether early-exit requests share passes: lossy one-token exits do."""
-        return self.early_exit.batches
-
-    def _decode(self, seqs: list[Sequence]) -> Iterator[None]:
-        """The early-exit decoder stepped over `seqs`: with lossy one-token early exit one batch of
-        them; else (lossless mode, exits inside verification) one request at a time."""
-        if self.early_exit.batches:
-            return self.early_exit.steps(seqs)
-
-        def one_at_a_time() -> Iterator[None]:
-            for seq in seqs:  # `yield from`: closing this closes the request's steps
-                yield from self.early_exit.steps([seq])
-        return one_at_a_time()

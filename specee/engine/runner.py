@@ -5,11 +5,18 @@ prompt when it joins, its last token when it decodes, its last token and the dra
 verifies) that writes and reads its own cache under its own attention description. Which layer
 code runs is one rule, in the model (`Transformer.ragged_layer`): the C++ layer for a quantized
 float32 model on the CPU where the kernels build, the Python layer otherwise; both take every
-description a StepInputs carries (causal prefix, chain, tree mask).
+description a StepInputs carries (causal prefix, chain, tree mask, holes).
+
+A segment may carry early exit's hooks (`LayerHooks`, engine/early_exit.py): carried rows that
+join it at the layers they resume from, a mask per layer (the skip policy's holes), and a check
+after some layers, where the segment may leave the forward (its request's token exited). The other
+segments run on; only a layer where some segment joins, changes its mask or leaves rebuilds the
+batch's inputs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -17,13 +24,34 @@ from ..model.kv_cache import KVCache
 from ..model.llama import RaggedInputs, StepInputs, Transformer
 
 
+class LayerHooks(Protocol):
+    """What an early-exit segment does between layers (engine/early_exit.py's ExitPass)."""
+
+    events: tuple[set[int], set[int]]  # layers with something before them (joins, masks) / a check after them
+
+    def before_layer(self, i: int, h: torch.Tensor, step: StepInputs) -> tuple[torch.Tensor, StepInputs]: ...
+
+    def after_layer(self, i: int, h_in: torch.Tensor, h: torch.Tensor) -> bool: ...
+
+
 @dataclass
 class Segment:
-    """One request's rows in a forward: token ids [n] (on the device), where they go and what they read."""
+    """One request's rows in a forward: token ids [n] (on the device), where they go and what they read;
+    exits: early exit's hooks (None: every row runs every layer)."""
 
     tokens: torch.Tensor
     cache: KVCache
     step: StepInputs
+    exits: LayerHooks | None = None
+
+
+def ragged_inputs(segments: list[Segment], steps: list[StepInputs], rows: list[int]) -> RaggedInputs:
+    """The batch's inputs for the given segments (rows > 0 each), computed once per change."""
+    return RaggedInputs(
+        cos=torch.cat([s.cos for s in steps], dim=1) if len(steps) > 1 else steps[0].cos,
+        sin=torch.cat([s.sin for s in steps], dim=1) if len(steps) > 1 else steps[0].sin,
+        slots=torch.cat([s.slots for s in steps]) if len(steps) > 1 else steps[0].slots,
+        rows=rows, caches=[s.cache for s in segments], steps=steps)
 
 
 class ModelRunner:
@@ -31,16 +59,16 @@ class ModelRunner:
         self.model = model
 
     def forward(self, segments: list[Segment], feature_layers: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """All layers over the segments' rows: final hidden states [N, H] (segments in order) and the
-        outputs of `feature_layers` concatenated ([N, W]; None without feature layers)."""
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """All layers over the segments' rows: final hidden states [N, H] of the rows that ran every
+        layer (segments in order), the outputs of `feature_layers` concatenated ([N, W]; None without
+        feature layers), and each segment's number of rows in them (0: it left at an exit)."""
+        if any(s.exits is not None for s in segments):
+            h, rows = self._forward_with_exits(segments)
+            return h, None, rows
         model = self.model
-        steps = [s.step for s in segments]
-        batch = RaggedInputs(
-            cos=torch.cat([s.cos for s in steps], dim=1) if len(steps) > 1 else steps[0].cos,
-            sin=torch.cat([s.sin for s in steps], dim=1) if len(steps) > 1 else steps[0].sin,
-            slots=torch.cat([s.slots for s in steps]) if len(steps) > 1 else steps[0].slots,
-            rows=[s.tokens.shape[0] for s in segments], caches=[s.cache for s in segments], steps=steps)
+        rows = [s.tokens.shape[0] for s in segments]
+        batch = ragged_inputs(segments, [s.step for s in segments], rows)
         tokens = torch.cat([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
         h = model.embed(tokens[None, :])
         kept: dict[int, torch.Tensor] = {}
@@ -49,4 +77,61 @@ class ModelRunner:
             if i in feature_layers:
                 kept[i] = h[0]
         feats = torch.cat([kept[i] for i in feature_layers], dim=-1) if feature_layers else None
-        return h[0], feats
+        return h[0], feats, rows
+
+    def _forward_with_exits(self, segments: list[Segment]) -> tuple[torch.Tensor, list[int]]:
+        """The layers with early exit's hooks. A segment's rows may start empty (a lossless flush:
+        only carried rows, joining later); one that leaves at a check is done."""
+        model = self.model
+        L = model.cfg.num_layers
+        parts = [model.embed(s.tokens[None, :]) for s in segments]  # per segment [1, rows, H]
+        steps = [s.step for s in segments]
+        hooked = [(j, s.exits) for j, s in enumerate(segments) if s.exits is not None]
+        before = [[j for j, x in hooked if i in x.events[0]] for i in range(L)]
+        after = [[j for j, x in hooked if i in x.events[1]] for i in range(L)]
+        left = [False] * len(segments)
+        h = batch = live = None
+        for i in range(L):
+            changed = batch is None
+            if before[i]:
+                parts = self._split(h, parts, live)
+                for j in before[i]:
+                    if not left[j]:
+                        parts[j], steps[j] = segments[j].exits.before_layer(i, parts[j], steps[j])
+                changed = True
+            if changed:
+                live = [j for j, p in enumerate(parts) if not left[j] and p.shape[1] > 0]
+                if not live:
+                    continue
+                h = torch.cat([parts[j] for j in live], dim=1) if len(live) > 1 else parts[live[0]]
+                batch = ragged_inputs([segments[j] for j in live], [steps[j] for j in live],
+                                      [parts[j].shape[1] for j in live])
+            if not live:
+                continue
+            h_in, h = h, model.ragged_layer(i, h, batch)
+            exited = False
+            if after[i]:
+                first = 0
+                for j, n in zip(live, batch.rows):
+                    if j in after[i] and segments[j].exits.after_layer(i, h_in[:, first:first + n], h[:, first:first + n]):
+                        left[j] = exited = True
+                    first += n
+            if exited:
+                parts = self._split(h, parts, live)
+                batch = None
+        parts = self._split(h, parts, live)
+        rows = [0 if left[j] else p.shape[1] for j, p in enumerate(parts)]
+        out = [parts[j][0] for j in range(len(segments)) if rows[j]]
+        H = model.cfg.hidden_size
+        h = torch.cat(out) if len(out) > 1 else out[0] if out else torch.empty(0, H, device=model.device)
+        return h, rows
+
+    @staticmethod
+    def _split(h: torch.Tensor | None, parts: list[torch.Tensor], live: list[int] | None) -> list[torch.Tensor]:
+        """Per-segment hidden states again from the batch's h (the live segments' rows, in order)."""
+        if h is None or not live:
+            return parts
+        parts = list(parts)
+        for j, p in zip(live, torch.split(h, [parts[j].shape[1] for j in live], dim=1)):
+            parts[j] = p
+        return parts

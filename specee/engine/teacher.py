@@ -16,10 +16,11 @@ class TeacherForcedStep:
 
 
 class TeacherForcing:
-    """A token source for DecodeRun: note what early exit chose, feed the given continuation instead."""
+    """A token source for early exit (EarlyExitDecoding.teacher_forced): note what early exit chose, feed the given continuation instead."""
 
     def __init__(self, continuation: list[int]):
         self.continuation, self.records = continuation, []
+        self.logits: torch.Tensor | None = None  # the last full-depth pass's rows (set by the decoding)
 
     def __call__(self, index: int, predicted: int, exit_layer: int, logits: torch.Tensor) -> int:
         target = self.continuation[index]

@@ -16,10 +16,6 @@ the drafter's top-k there (`Drafter.row_candidates`). At a scheduled layer:
      of its speculative tokens: a second read, which also returns the accepted tokens. If not,
      the predictors were wrong: every row is unsettled again.
 
-A batch of requests (one-token passes, lossy) is a pass whose rows are independent: it settles
-when every unfinished request's row has fired, and exits if each argmax is among its row's
-speculative tokens (then every request emits its token from this layer).
-
 Why the one-token bank serves: a row matters only if every draft before it is accepted, and
 then its history equals the target's own continuation, which is what calibration recorded, so
 its features are the one-token features at that position (tested). Its exits are measured to
@@ -46,9 +42,7 @@ from .scheduler import TwoLevelScheduler
 @dataclass
 class ExitHit:
     layer: int
-    tokens: list[int]  # what the pass emits (greedy): a chain's accepted drafts, then the layer's own choice;
-    # a batch's: one token per request
-    ids: torch.Tensor  # the last token (a chain: [1]; a batch: [B]) on the device: the next pass's input
+    tokens: list[int]  # what the pass emits (greedy): the accepted drafts, then the layer's own choice
     logits: torch.Tensor  # [len(tokens), V] at that layer: the distributions for sampling and lossless
 
 
@@ -69,13 +63,11 @@ class ExitController:
         """Per layer: whether to ask `try_exit` after it for this pass."""
         return scheduler.layers()
 
-    def begin_pass(self, candidates: torch.Tensor, draft: torch.Tensor | None, token_index: int,
-                   idle: torch.Tensor | None = None) -> None:
-        """candidates [R, k]: each row's speculative tokens; draft [R - 1]: the pass's draft tokens,
-        or None: the rows are a batch's requests (idle [R]: those already finished, never waited
-        for); token_index: the position of row 0's prediction among the generated tokens. Gathers
-        the candidates' LM-head rows once per pass; every checked layer reuses them."""
-        self.candidates, self.draft, self.idle = candidates, draft, idle
+    def begin_pass(self, candidates: torch.Tensor, draft: torch.Tensor, token_index: int) -> None:
+        """candidates [R, k]: each row's speculative tokens; draft [R - 1]: the pass's draft tokens;
+        token_index: the position of row 0's prediction among the generated tokens. Gathers the
+        candidates' LM-head rows once per pass; every checked layer reuses them."""
+        self.candidates, self.draft = candidates, draft
         self.rows = spec_rows(self.model, candidates)  # [R, k, H]
         R = candidates.shape[0]
         if self.row_index.shape[0] < R:
@@ -94,8 +86,6 @@ class ExitController:
         self.predictor_calls += 1
         feats = exit_features(self.model, h_in, h, self.rows)  # [R, 3k]; the first k: the candidates' logits
         fired = self.fired_rows.logical_or_(self.fires(layer, feats))
-        if self.draft is None:
-            return self.try_exit_batch(layer, h, fired, t)
         best = self.candidates.gather(1, feats[:, : self.candidates.shape[1]].argmax(dim=-1, keepdim=True))
         accepted = accept_chain(self.draft, best.view(-1))[0]
         settled = (fired | (self.needed > accepted)).all()
@@ -115,32 +105,7 @@ class ExitController:
             self.rejected += 1
             self.fired_rows.zero_()
             return None
-        return ExitHit(layer, tokens[: accepted + 1], choice[accepted : accepted + 1], logits[: accepted + 1])
-
-    def try_exit_batch(self, layer: int, h: torch.Tensor, fired: torch.Tensor,
-                       t: float | torch.cuda.Event) -> ExitHit | None:
-        """The batch's rule (rows are requests): settled when every busy row has fired (one read);
-        then its LM head, exiting if every busy row's argmax is among its speculative tokens (the
-        second read, with the tokens: one per row)."""
-        if self.idle is not None:
-            fired = fired | self.idle
-        settled = bool(fired.all())
-        self.timer.stop("predictors", t)
-        if not settled:
-            return None
-        t = self.timer.start()
-        logits = self.model.logits(h)  # [B, V]
-        choice = logits.argmax(dim=-1)
-        among = (self.candidates == choice[:, None]).any(dim=-1)
-        if self.idle is not None:
-            among = among | self.idle
-        ok, *tokens = torch.cat([among.all().long().view(1), choice]).tolist()
-        self.timer.stop("verification", t)
-        if not ok:
-            self.rejected += 1
-            self.fired_rows.zero_()
-            return None
-        return ExitHit(layer, tokens, choice, logits)
+        return ExitHit(layer, tokens[: accepted + 1], logits[: accepted + 1])
 
 
 class ForcedExits(ExitController):
@@ -157,9 +122,8 @@ class ForcedExits(ExitController):
     def layers(self, scheduler: TwoLevelScheduler) -> list[bool]:
         return self.every_layer
 
-    def begin_pass(self, candidates: torch.Tensor, draft: torch.Tensor | None, token_index: int,
-                   idle: torch.Tensor | None = None) -> None:
-        super().begin_pass(candidates, draft, token_index, idle)
+    def begin_pass(self, candidates: torch.Tensor, draft: torch.Tensor, token_index: int) -> None:
+        super().begin_pass(candidates, draft, token_index)
         self.token_index = token_index
 
     def fires(self, layer: int, feats: torch.Tensor) -> torch.Tensor:

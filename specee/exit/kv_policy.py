@@ -9,11 +9,10 @@ layers. The three answers (see ../shared/notes/early-exit-kv.md):
   step's forward, so every K/V entry equals the full model's before anyone reads it (the
   basis of lossless mode: a carried row that completes the last layer verifies its token).
 
-The decode loop (engine/early_exit.py) calls the same hooks whatever the policy, for a pass of
-one row per request (early exit, one request or a batch) or several (a verification pass: the
-last token and its drafts); each policy also keeps the cache's per-layer fill state
-(`cache.filled`) true. Slots are shared by a batch's requests (rows align on their last token),
-so a hook acts on a slot of every request.
+Early exit's decoding (engine/early_exit.py) keeps one policy per request, over that request's own
+cache (a run of the engine's block pool), and calls the same hooks whatever the policy for a pass of
+one row (one-token early exit) or several (a verification pass: the last token and its drafts);
+each policy also keeps the cache's per-layer fill state (`cache.filled`) true.
 """
 from __future__ import annotations
 

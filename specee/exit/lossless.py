@@ -6,7 +6,8 @@ Each emitted-but-unverified token is accepted (greedy: equal argmax; sampling: s
 sampling's acceptance with the exit layer's distribution as the draft) or replaced, and
 everything after a replaced token is rolled back: history, KV cache, carried rows, drafter,
 exit schedule and exit histogram. Only verified tokens reach the Sequence, so only verified
-text is streamed.
+text is streamed. `judge` runs on the device with the step's other verdicts (one host read for
+the whole step); `settle` reads its result.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..sampling import probabilities
+from ..sampling import SamplingParams, greedy, probabilities
 
 if TYPE_CHECKING:
-    from ..engine.early_exit import DecodeRun
+    from ..engine.early_exit import ExitState
 
 
 @dataclass
@@ -31,62 +32,70 @@ class Unverified:
 
 
 class LosslessVerifier:
-    def __init__(self, run: DecodeRun):
-        self.run = run
+    """One request's unverified tokens, oldest first."""
+
+    def __init__(self, state: ExitState, num_layers: int, greedy: bool):
+        self.state, self.num_layers, self.greedy = state, num_layers, greedy
         self.unverified: list[Unverified] = []
 
     def hold(self, token: int, exit_layer: int, draft_probs: torch.Tensor | None) -> None:
         """An exited token, emitted but not yet checked against the full model."""
         self.unverified.append(Unverified(token, exit_layer, draft_probs))
 
-    def verify(self, slots: list[int], final_logits: torch.Tensor, at_bound: bool) -> bool:
-        """Check the unverified tokens that the completed rows at `slots` predicted (row at slot s
-        predicts history[s + 1]); roll back at the first mismatch. Returns False if it rolled back
-        or the request finished."""
-        run = self.run
-        for row, slot in enumerate(slots):
-            pos = slot + 1
-            assert pos == len(run.history) - len(self.unverified), "carried rows out of order"
+    def width(self, rows: int) -> int:
+        """Verdict entries `judge` gives for `rows` completed rows."""
+        return rows if self.greedy else 2 * rows
+
+    def judge(self, final_logits: torch.Tensor, params: SamplingParams,
+              generator: torch.Generator | None) -> torch.Tensor:
+        """The full model's judgement of the unverified tokens that the completed carried rows
+        predicted (row j: unverified[j]), on the device: greedy, its argmax per row; sampling,
+        (accepted, the token it keeps or puts there instead) per row."""
+        if self.greedy:
+            return greedy(final_logits)
+        out = []
+        for row, item in zip(final_logits, self.unverified):
+            p, q = probabilities(row[None], params)[0], item.draft_probs[0]
+            ratio = (p[item.token] / q[item.token]).clamp(max=1.0)
+            accepted = torch.rand((), generator=generator, device=p.device) < ratio
+            residual = (p - q).clamp(min=0)
+            total = residual.sum()
+            residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p)
+            replacement = torch.multinomial(residual, 1, generator=generator)[0]
+            out.append(torch.stack([accepted.long(), torch.where(accepted, item.token, replacement)]))
+        return torch.cat(out)
+
+    def settle(self, values: list[int], rows: int, at_bound: bool) -> tuple[list[int], bool]:
+        """Read `judge`'s verdict for `rows` rows: the verified tokens, in order (a replaced one
+        last), and whether all were kept (else everything after the replaced one is rolled back)."""
+        st, kept = self.state, []
+        for j in range(rows):
             item = self.unverified[0]
-            accepted, replacement = self.accept(final_logits[row:row + 1], item)
-            if not accepted:
-                run.stats.rollbacks_at_bound += at_bound
-                self.rollback(pos, replacement)
-                return False
+            best = values[j] if self.greedy else values[2 * j + 1]
+            if best != item.token:
+                st.stats.rollbacks_at_bound += at_bound
+                self.rollback(best)
+                return kept + [best], False
             self.unverified.pop(0)
-            run.stats.verified_positions += 1
-            run.seq.append(item.token)
-            if run.seq.finished:
-                return False
-        return True
+            st.stats.verified_positions += 1
+            kept.append(item.token)
+        return kept, True
 
-    def accept(self, final_logits: torch.Tensor, item: Unverified) -> tuple[bool, int]:
-        """Whether the full model keeps `item`; else the token it puts there instead."""
-        params, generator = self.run.params, self.run.generator
-        if params.greedy:
-            best = int(final_logits.argmax(dim=-1))
-            return best == item.token, best
-        p = probabilities(final_logits, params)[0]
-        q = item.draft_probs[0]
-        ratio = (p[item.token] / q[item.token]).clamp(max=1.0)
-        if float(torch.rand((), generator=generator, device=p.device)) < float(ratio):
-            return True, item.token
-        residual = (p - q).clamp(min=0)
-        total = residual.sum()
-        residual = p if float(total) <= 0 else residual / total
-        return False, int(torch.multinomial(residual, 1, generator=generator))
-
-    def rollback(self, pos: int, replacement: int) -> None:
-        """history[pos] was wrong: drop it and everything after (they are all unverified), and the
-        exit layers they added to the schedule and histogram; emit the full model's token."""
-        run = self.run
-        run.stats.rollbacks += 1
-        run.stats.discarded_tokens += len(run.history) - pos
+    def rollback(self, replacement: int) -> None:
+        """The oldest unverified token was wrong: drop it and everything after (all unverified),
+        and the exit layers they added to the schedule and histogram; the full model's token
+        takes its place."""
+        st = self.state
+        pos = len(st.history) - len(self.unverified)
+        st.stats.rollbacks += 1
+        st.stats.discarded_tokens += len(st.history) - pos
         for item in self.unverified:
-            run.stats.exit_histogram[item.exit_layer] -= 1
-        run.scheduler.forget_last(len(self.unverified))
-        del run.history[pos:]
+            st.stats.exit_histogram[item.exit_layer] -= 1
+        st.scheduler.forget_last(len(self.unverified))
+        del st.history[pos:]
         self.unverified.clear()
-        run.kv.truncate(pos)
-        run.drafter.truncate(pos)
-        run.emit(replacement, run.num_layers - 1)
+        st.kv.truncate(pos)
+        st.drafter.truncate(pos)
+        st.history.append(replacement)
+        st.stats.exit_histogram[self.num_layers - 1] += 1
+        st.scheduler.record(self.num_layers - 1)
