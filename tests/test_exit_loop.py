@@ -132,7 +132,7 @@ def test_skip_equals_a_masked_attention_reference(tiny):
     outs = []
     for i in range(L):
         reads = (pos[None, :] <= pos[:, None]) & ((depth[None, :] >= i) | (pos[None, :] == pos[:, None]))
-        h = model.layer(i, h, dataclasses.replace(base, mask=reads.view(1, 1, S, S), causal=False), cache)
+        h = model.layer(i, h, dataclasses.replace(base, reads="mask", mask=reads.view(1, 1, S, S)), cache)
         outs.append(h[0])
     for p in range(len(ids) - 1, S):
         want = int(model.logits(outs[int(depth[p])][p]).argmax())

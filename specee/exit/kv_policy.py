@@ -86,7 +86,7 @@ class SkipKV(KVPolicy):
             mask = self.cache.filled[layer, :, None, None, : n + 1]
         else:
             mask = self.cache.attention_mask(layer, step_in.slots, step_in.kv_len)
-        return replace(step_in, mask=mask, chain=False, causal=False)
+        return replace(step_in, reads="mask", mask=mask)
 
     def after_exit(self, e: int, h: torch.Tensor, active: list[int]) -> None:
         self.cache.filled[e + 1:, :, active[0]:active[-1] + 1] = False

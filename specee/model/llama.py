@@ -40,20 +40,35 @@ class StepInputs:
     """What every layer of one forward step shares, computed once per step (not per layer).
 
     slots: cache slots the rows write, [S]; cos/sin: RoPE rows, [B, S, 1, D] (sin signed, see rope.py);
-    mask: which cache slots each row may read, [B, 1, S, kv_len] (None = all of them, or causal);
-    kv_len: how many cache slots attention reads; causal: rows are slots 0..S-1 of an unpadded
-    sequence (S == kv_len), so attention needs no mask and keeps the fused kernels; chain: each row
-    reads exactly the slots up to its own (`mask` says so too), so the C++ layer can attend each
-    row alone over that prefix, as a one-token step does.
+    kv_len: how many cache slots attention reads; reads: which of them each row attends to, alone
+    (no other field changes its meaning):
+      "all"     every slot below kv_len (a decode row);
+      "causal"  the rows are slots 0..S-1 of an unpadded sequence (a prefill): causal attention,
+                no mask, the fused kernels;
+      "chain"   each row exactly the slots up to its own (a verification chain): the C++ layer
+                attends each row alone over that prefix, as a decode row; `mask` holds the same
+                rule for the Python layer;
+      "mask"    what `mask` [B, 1, S, kv_len] allows (a draft tree, skip's holes, left padding).
     """
 
     slots: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    mask: torch.Tensor | None
     kv_len: int
-    causal: bool = False
-    chain: bool = False
+    reads: str = "all"
+    mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.mask is not None) != (self.reads in ("chain", "mask")):
+            raise ValueError(f"reads={self.reads!r} {'needs' if self.mask is None else 'takes no'} mask")
+
+    @property
+    def causal(self) -> bool:
+        return self.reads == "causal"
+
+    @property
+    def chain(self) -> bool:
+        return self.reads == "chain"
 
 
 @dataclass
@@ -205,7 +220,8 @@ class Transformer:
         """positions: [B, S] RoPE positions of the rows; slots: [S] cache slots they write."""
         cos = self.cos_table[positions].unsqueeze(2)
         sin = self.sin_table[positions].unsqueeze(2)
-        return StepInputs(slots=slots, cos=cos, sin=sin, mask=mask, kv_len=kv_len)
+        return StepInputs(slots=slots, cos=cos, sin=sin, kv_len=kv_len, reads="all" if mask is None else "mask",
+                          mask=mask)
 
     def range_inputs(self, start: int, count: int) -> StepInputs:
         """Inputs for `count` rows of one unpadded sequence at slots (= positions) start..start+count-1,
@@ -213,11 +229,10 @@ class Transformer:
         end = start + count
         slots = self.slot_ids[start:end]
         D = self.cfg.head_dim
-        causal = start == 0 and count > 1
-        mask = None if count == 1 or causal else (self.slot_ids[:end][None, :] <= slots[:, None]).view(1, 1, count, end)
+        reads = "all" if count == 1 else "causal" if start == 0 else "chain"
+        mask = (self.slot_ids[:end][None, :] <= slots[:, None]).view(1, 1, count, end) if reads == "chain" else None
         return StepInputs(slots=slots, cos=self.cos_table[start:end].view(1, count, 1, D),
-                          sin=self.sin_table[start:end].view(1, count, 1, D), mask=mask, kv_len=end, causal=causal,
-                          chain=mask is not None)
+                          sin=self.sin_table[start:end].view(1, count, 1, D), kv_len=end, reads=reads, mask=mask)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embedding)
