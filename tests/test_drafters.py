@@ -6,6 +6,7 @@ import torch
 
 from specee.drafters import DraftModelDrafter, DrafterMismatchError, NGramDrafter, check_same_tokenizer
 from specee.engine.full_depth import prefill
+from specee.sampling import SamplingParams
 from specee.tokenizer import Tokenizer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -239,3 +240,46 @@ def test_draft_model_cache_is_sized_to_the_request_not_the_targets_context(real_
     prompt = llm.encode("Tell me about the sea.", chat=True)
     drafter.reset(prompt, 900)
     assert len(prompt) + 900 <= drafter._cache.max_len < context
+
+
+@needs_models
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_drafting_several_forks_at_once_equals_each_alone(target_tok, quantization):
+    """`draft_all` batches the draft model's forwards across forks (different histories, pending
+    tokens and lengths, one with nothing to draft): each fork's draft, its cache and what it proposes
+    after committing equal drafting it alone; sampled drafts draw from the fork's own generator."""
+    proto = DraftModelDrafter(DRAFT, target_tok, k=4, device="cpu", dtype=torch.float32, quantization=quantization)
+    texts = ["Once upon a time there was", "The little dog", "Tom and his friend went to the park and"]
+    greedy, hot = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=4)
+    params = [greedy, hot, greedy]
+    ns = [3, 4, 0]
+
+    def forks():
+        out = []
+        for t in texts:
+            d = proto.fork()
+            d.begin(target_tok.encode(t))
+            out.append(d)
+        return out
+
+    def gens():
+        return [None if p.greedy else p.make_generator(torch.device("cpu")) for p in params]
+
+    together, alone = forks(), forks()
+    for step in range(3):  # drafts, then commits of a token each (pending tokens for the next catch-up)
+        a = proto.draft_all(together, ns, params, gens(), proto.vocab_limit)
+        b = [d.draft(n, p, g, proto.vocab_limit) for d, n, p, g in zip(alone, ns, params, gens())]
+        for x, y in zip(a, b):
+            assert x.tokens.tolist() == y.tokens.tolist()
+            assert (x.probs is None) == (y.probs is None)
+            if x.probs is not None:
+                torch.testing.assert_close(x.probs, y.probs)
+        for d, e, draft in zip(together, alone, a):
+            assert d._n == e._n and d._drafted == e._drafted
+            n = d._n + d._drafted
+            torch.testing.assert_close(d._cache.k[:, :, :, :n], e._cache.k[:, :, :, :n], atol=1e-5, rtol=1e-5)
+            emitted = draft.tokens.tolist()[:1] + [7 + step]
+            d.commit(emitted, min(1, len(emitted) - 1))
+            e.commit(emitted, min(1, len(emitted) - 1))
+    for d, e in zip(together, alone):
+        assert d.propose().tolist() == e.propose().tolist()

@@ -151,6 +151,12 @@ class Drafter(ABC):
         target's vocabulary rows (the width of `Draft.probs`)."""
         raise NotImplementedError(f"{self.name} cannot draft several tokens ahead")
 
+    def draft_all(self, drafters: list["Drafter"], ns: list[int], params: list[SamplingParams],
+                  generators: list[torch.Generator | None], width: int) -> list[Draft]:
+        """Drafts for several requests (forks of this drafter) at once; default: one after another.
+        A drafter that runs a model batches its forwards across the requests."""
+        return [d.draft(n, p, g, width) for d, n, p, g in zip(drafters, ns, params, generators)]
+
     def row_candidates(self, draft: Draft) -> torch.Tensor:
         """[n + 1, k] for the last `draft` of n tokens: row j is what `propose()` gives after the
         history and the draft's first j tokens (the speculative tokens of verification row j).

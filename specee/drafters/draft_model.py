@@ -178,6 +178,58 @@ class DraftModelDrafter(Drafter):
         return chain.draft()
 
     @torch.inference_mode()
+    def draft_all(self, drafters: list["DraftModelDrafter"], ns: list[int], params: list[SamplingParams],
+                  generators: list[torch.Generator | None], width: int) -> list[Draft]:
+        """`draft` for several forks at once: each forward of the draft model (the catch-up of every
+        fork's pending tokens, then each draft position) is one ragged forward over the forks' rows,
+        each in its own cache, and the LM head one call over their states."""
+        from ..engine.runner import ModelRunner, Segment
+
+        model, runner = self.model, ModelRunner(self.model)
+        normed: list[torch.Tensor | None] = [None] * len(drafters)
+        segments, who = [], []
+        for i, d in enumerate(drafters):
+            pending = len(d._history) - (d._offset + d._n)
+            if 0 < pending and d._n + pending <= d.context:
+                d._ensure_capacity(d._n + pending)
+                ids = torch.tensor(d._history[-pending:], device=self.device)
+                segments.append(Segment(ids, d._cache, model.range_inputs(d._n, pending)))
+                who.append((i, pending))
+            else:  # nothing pending, or past the draft's context (its window moves): alone
+                normed[i] = d._catch_up()
+        if segments:
+            h, _, rows = runner.forward(segments)
+            last = model.norm(h[torch.tensor(rows).cumsum(0) - 1])
+            for (i, pending), state in zip(who, last):
+                d = drafters[i]
+                d._last, d._n = state[None], d._n + pending
+                d._cache.length = d._n
+                normed[i] = d._last
+        starts = [d._n for d in drafters]
+        ns = [max(0, min(n, d.context - start)) for n, d, start in zip(ns, drafters, starts)]
+        chains = [DraftChain(p, g, self._head_ids, width, self.device) for p, g in zip(params, generators)]
+        for d, n, start, state in zip(drafters, ns, starts, normed):
+            d._ensure_capacity(start + n)
+            d._draft_states = [state]
+        for j in range(max(ns, default=0)):
+            active = [i for i, n in enumerate(ns) if j < n]
+            scores = self._head(torch.cat([normed[i] for i in active]))
+            segments, who = [], []
+            for row, i in enumerate(active):
+                token = chains[i].pick(scores[row : row + 1])
+                if j < ns[i] - 1:  # the last draft token's K/V is not needed to draft
+                    segments.append(Segment(token, drafters[i]._cache, model.range_inputs(starts[i] + j, 1)))
+                    who.append(i)
+            if segments:
+                states = model.norm(runner.forward(segments)[0])
+                for row, i in enumerate(who):
+                    normed[i] = states[row : row + 1]
+                    drafters[i]._draft_states.append(normed[i])
+        for d, n in zip(drafters, ns):
+            d._drafted = max(n - 1, 0)
+        return [c.draft() for c in chains]
+
+    @torch.inference_mode()
     def row_candidates(self, draft: Draft) -> torch.Tensor:
         """The states `draft` scored give rows 0..n-1; one more draft step (the last draft token,
         whose K/V commit can then keep) gives row n."""

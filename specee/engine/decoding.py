@@ -25,8 +25,8 @@ class FullDepth:
     def __init__(self, model: Transformer):
         self.model = model
 
-    def begin_step(self, decoding: int) -> None:
-        """A step begins with `decoding` requests past their prefill."""
+    def begin_step(self, batch: list[Running]) -> None:
+        """A step of these requests begins (those past their prefill decode in it)."""
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step of only decoding requests emitted `tokens` in `seconds`."""

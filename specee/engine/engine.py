@@ -67,7 +67,7 @@ class Engine:
         if batch:
             t0 = device_time(self.model.device)
             decoding = sum(r.prefilled for r in batch)
-            self.decoding.begin_step(decoding)
+            self.decoding.begin_step(batch)
             segments = [self._plan(r) for r in batch]
             h, features, rows = self.runner.forward(segments, self.decoding.feature_layers)
             emitted = self._commit(batch, rows, h, features, t0)

@@ -98,8 +98,29 @@ class SpeculativeDecoding(FullDepth):
         self.gate = SpeculationGate() if gated else None
         self.drafting = True  # this step's requests draft (the gate's choice)
 
-    def begin_step(self, decoding: int) -> None:
-        self.drafting = self.gate is None or self.gate.begin_step(decoding)
+    def begin_step(self, batch: list[Running]) -> None:
+        """The gate's choice for this batch size; then every decoding request's chain in one call of
+        the drafter (a draft model batches its forwards across the requests)."""
+        decoding = [r for r in batch if r.prefilled]
+        self.drafting = self.gate is None or self.gate.begin_step(len(decoding))
+        if not self.drafting or self.grower is not None or len(decoding) < 2:
+            return
+        chains = [r for r in decoding if self.room(r) > 0]
+        if not chains:
+            return
+        t0 = device_time(self.model.device)
+        drafts = self.drafter.draft_all([r.state.drafter for r in chains],
+                                        [min(self.num_tokens, self.room(r)) for r in chains],
+                                        [r.seq.params for r in chains], [r.generator for r in chains], self.width)
+        share = (device_time(self.model.device) - t0) / len(chains)
+        for r, draft in zip(chains, drafts):
+            r.state.draft = draft
+            r.state.stats.draft_seconds += share
+
+    @staticmethod
+    def room(r: Running) -> int:
+        """Drafts the request could still emit after this step's own token."""
+        return r.seq.params.max_tokens - len(r.seq.output_ids) - 1
 
     def end_step(self, tokens: int, seconds: float) -> None:
         if self.gate is not None:
@@ -126,15 +147,13 @@ class SpeculativeDecoding(FullDepth):
     def plan(self, r: Running) -> Segment:
         st, params, model = r.state, r.seq.params, self.model
         st.start = n = r.cache.length
-        room = params.max_tokens - len(r.seq.output_ids) - 1  # drafts beyond this could not be emitted
-        if not self.drafting:  # a chain of no drafts: a plain decode row, verified the same way
-            room = 0
+        room = self.room(r) if self.drafting else 0  # no drafts: a plain decode row, verified the same way
         t0 = device_time(model.device)
         last = torch.tensor([r.last], device=model.device)
-        st.tree = st.draft = None
+        st.tree = None
         if self.grower is not None and room >= self.grower.shape.depth:
             st.tree = self.grower.grow(last, st.drafter)
-        if st.tree is None:
+        if st.tree is None and st.draft is None:  # not drafted with the others in begin_step
             st.draft = (st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width) if room > 0
                         else Draft(last[:0]))
         st.stats.draft_seconds += device_time(model.device) - t0
@@ -165,6 +184,7 @@ class SpeculativeDecoding(FullDepth):
                 features = features[: accepted + 1]
         st.stats.record(drafted, accepted)
         st.drafter.commit(emitted, accepted, None if features is None else features[None])
+        st.draft = None
         return emitted
 
     def stats(self, r: Running, decode_seconds: float) -> dict | None:
