@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
-from ee_helpers import AllTokensDrafter, decoder, forced, never_bank, random_forcing, run
+from ee_helpers import AllTokensDrafter, constant_bank, decoder, forced, never_bank, random_forcing, run
 
 from specee import LLM, SamplingParams
 from specee.engine.engine import Engine
@@ -173,3 +173,38 @@ def test_a_stream_closed_inside_a_batch_leaves_the_others_running(deep_llm, tmp_
         deep_llm.early_exit = None
     assert a.finish_reason == "abort" and len(a.output_ids) == 2
     assert b.output_ids == full.token_ids and b.finish_reason == "length"
+
+
+def test_lossy_output_depends_only_on_the_request_not_on_earlier_traffic(deep_llm):
+    """Real (constant) predictors under the payoff gate, which stops checking layers that do not pay:
+    a request decoded after other traffic, and next to other requests, gives the tokens it gives
+    first thing on a fresh decoder (each request learns its own schedule)."""
+    from specee.exit.controller import ExitController
+
+    L = deep_llm.model.cfg.num_layers
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = [deep_llm.encode(t) for t in TEXTS]
+    drafter = AllTokensDrafter(1)  # a few tokens the requests emit: some exits confirm, some do not
+    seen = sorted({t for o in deep_llm.generate(ids, params) for t in o.token_ids})
+    drafter.k, drafter._ids = 6, torch.tensor(seen[:6])
+    bank = constant_bank(L, drafter.k, [0.4, 0.6, 0.4, 0.6, 0.4, float("inf")], offline=[0, 2, 4])
+
+    def fresh():
+        return decoder(deep_llm, drafter, bank, kv_policy="recompute", check_cost=0.6)
+
+    def one(dec, prompt):
+        seq = Sequence(prompt, list(prompt), params, deep_llm.tokenizer, deep_llm.eos_ids)
+        dec.generate(seq)
+        return seq
+
+    first = one(fresh(), ids[0])
+    assert isinstance(fresh().make_exits(), ExitController)  # the real predictors, not forced exits
+    hist = first.stats.early_exit["exit_histogram"]
+    assert 0 < sum(hist[:-1]) < 24, f"the request should exit at some tokens only: {hist}"
+    dec = fresh()
+    for prompt in ids[1:] * 2:  # earlier traffic on the same decoder
+        one(dec, prompt)
+    assert one(dec, ids[0]).output_ids == first.output_ids
+    together = [Sequence(p, list(p), params, deep_llm.tokenizer, deep_llm.eos_ids) for p in ids]
+    dec.generate(together)
+    assert together[0].output_ids == first.output_ids
