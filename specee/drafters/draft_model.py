@@ -160,22 +160,8 @@ class DraftModelDrafter(Drafter):
         return self._top_k(self._catch_up())[0]
 
     # ---- speculative decoding -----------------------------------------------------------------
-    @torch.inference_mode()
     def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
-        normed = self._catch_up()
-        start = self._n
-        n = max(0, min(n, self.context - start))  # draft rows stay inside the draft's context
-        self._ensure_capacity(start + n)
-        model, chain = self.model, DraftChain(params, generator, self._head_ids, width, self.device)
-        self._draft_states = [normed]  # row j's state: what row_candidates scores
-        for j in range(n):
-            token = chain.pick(self._head(normed))  # scores over the head's rows
-            if j < n - 1:  # the last draft token's K/V is not needed to draft
-                h = model.forward(token.view(1, 1), model.range_inputs(start + j, 1), self._cache)
-                normed = model.norm(h[0])
-                self._draft_states.append(normed)
-        self._drafted = max(n - 1, 0)
-        return chain.draft()
+        return self.draft_all([self], [n], [params], [generator], width)[0]
 
     @torch.inference_mode()
     def draft_all(self, drafters: list["DraftModelDrafter"], ns: list[int], params: list[SamplingParams],
