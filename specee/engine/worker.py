@@ -90,11 +90,11 @@ class EngineThread:
     """Runs `engine.step()` in a daemon thread while requests are in flight, sleeping otherwise.
 
     validate(seq): checks run on this thread before `add_request` (a request that cannot run fails
-    alone). max_num_seqs: requests handed to the engine at once; the rest wait here, in order."""
+    alone). Every submitted request goes to the engine at the next step; the engine's scheduler
+    decides when it runs (`max_num_seqs`, the KV-cache budget)."""
 
-    def __init__(self, engine, validate: Callable[[Sequence], None] | None = None,
-                 max_num_seqs: int | None = None, name: str = "specee-engine"):
-        self.engine, self.validate, self.max_num_seqs = engine, validate, max_num_seqs
+    def __init__(self, engine, validate: Callable[[Sequence], None] | None = None, name: str = "specee-engine"):
+        self.engine, self.validate = engine, validate
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[RequestHandle] = deque()  # submitted, not yet given to the engine
         self._running: dict[str, RequestHandle] = {}  # given to the engine, not yet ended
@@ -170,7 +170,7 @@ class EngineThread:
         handle._emit()
 
     def _admit(self) -> None:
-        while self._waiting and (self.max_num_seqs is None or len(self._running) < self.max_num_seqs):
+        while self._waiting:
             handle = self._waiting.popleft()
 
             def add(seq=handle.seq) -> None:
