@@ -68,9 +68,9 @@ class Engine:
             t0 = device_time(self.model.device)
             decoding = sum(r.prefilled for r in batch)
             self.decoding.begin_step(batch)
-            segments = [self._plan(r) for r in batch]
-            h, features, rows = self.runner.forward(segments, self.decoding.feature_layers)
-            emitted = self._commit(batch, rows, h, features, t0)
+            plans = [self._plan(r) for r in batch]
+            h, features, rows = self.runner.forward([s for p in plans for s in p], self.decoding.feature_layers)
+            emitted = self._commit(batch, *self._deciding(plans, rows), h, features, t0)
             if decoding == len(batch):  # a pure decode step measures the decoding (no prefill inside)
                 self.decoding.end_step(emitted, device_time(self.model.device) - t0)
         failed, done = self.scheduler.retire()
@@ -78,23 +78,40 @@ class Engine:
             self._settle(r)
         return failed + [r.seq for r in done]
 
-    def _plan(self, r: Running) -> Segment:
-        if not r.prefilled:
-            n = self.decoding.prefill_length(r.seq)
-            if n:
-                ids = torch.tensor(r.seq.prompt_ids[:n], device=self.model.device)
-                return Segment(ids, r.cache, self.model.range_inputs(0, n))
-            self._start(r, [], None, device_time(self.model.device))  # nothing to prefill (early exit, one-token prompt)
-        return self.decoding.plan(r)
+    def _plan(self, r: Running) -> list[Segment]:
+        """A request's segments, the last of which decides its tokens: a running request's rows; a
+        newcomer's prefill, whose last row gives its first token, or, where the decoding's first pass
+        takes the prompt's last token (lossy early exit), the prefill of the others and that pass in
+        the same forward (each layer writes the prefill's K/V before the pass reads them)."""
+        if r.prefilled:
+            return [self.decoding.plan(r)]
+        n = self.decoding.prefill_length(r.seq)
+        prefill = [Segment(torch.tensor(r.seq.prompt_ids[:n], device=self.model.device), r.cache,
+                           self.model.range_inputs(0, n))] if n else []
+        if n == len(r.seq.prompt_ids):
+            return prefill
+        self._start(r, [], None, device_time(self.model.device))
+        return prefill + [self.decoding.plan(r)]
 
-    def _commit(self, batch: list[Running], rows: list[int], h: torch.Tensor,
+    @staticmethod
+    def _deciding(plans: list[list[Segment]], rows: list[int]) -> tuple[list[int], list[int]]:
+        """Per request, where its deciding segment's final rows start in the forward's output, and how many."""
+        firsts, counts, offset, k = [], [], 0, 0
+        for plan in plans:
+            offset += sum(rows[k : k + len(plan) - 1])
+            k += len(plan)
+            firsts.append(offset)
+            counts.append(rows[k - 1])
+            offset += rows[k - 1]
+        return firsts, counts
+
+    def _commit(self, batch: list[Running], firsts: list[int], rows: list[int], h: torch.Tensor,
                 features: torch.Tensor | None, t0: float) -> int:
         """Choose every request's tokens from its rows' logits (a newcomer: its prompt's last row)
         with one LM-head call and one host read, then commit them; returns how many tokens were
         emitted. A request whose rows left the forward early (an exit) already has its verdict."""
-        firsts, picks, offset = [], [], 0
-        for r, n in zip(batch, rows):
-            firsts.append(offset)
+        picks = []
+        for r, offset, n in zip(batch, firsts, rows):
             if not n:
                 pick = range(0)
             elif r.prefilled:
@@ -102,7 +119,6 @@ class Engine:
             else:  # a prefill: its last row gives the first token, if the decoding takes it from there
                 pick = range(n - 1, n) if n == len(r.seq.prompt_ids) else range(0)
             picks.append(torch.arange(offset + pick.start, offset + pick.stop))
-            offset += n
         index = torch.cat(picks).to(h.device)
         logits = self.model.logits(h.index_select(0, index)) if index.numel() else None
         verdicts, at = [], 0
