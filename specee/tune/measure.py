@@ -12,6 +12,7 @@ prompt, and it replaces full depth only when at least MARGIN faster.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -234,6 +235,7 @@ def tune(llm, texts: list[str], *, draft: Path | None = None, lengths: tuple[int
     """Measure every candidate on `texts` and choose. `early_exit`: calibrate the predictor banks that
     are not cached (else early exit runs only with cached ones); `say`: notes, as they arise."""
     llm.threads.hold()  # one thread count for every candidate: the one the profile is stored for
+    load_before = load_average()
     tuner = Tuner(llm, fit_prompts(llm, texts, max_new_tokens), max_new_tokens, rounds, progress)
     full = Candidate("full", "full depth", {"label": "full depth"})
     speculation = speculation_candidates(llm, lengths, draft)
@@ -254,6 +256,19 @@ def tune(llm, texts: list[str], *, draft: Path | None = None, lengths: tuple[int
         merged.append(exit_candidate(llm, base, bank, d, "lossless", spec))
     if merged:
         results += tuner.measure([full, *merged], "tune: exits in verification", second_pass=True)[1:]
+    load = max(load_before, load_average())
+    if load > (os.cpu_count() or 1):
+        say(f"the machine was busy while timing (load average {load:.1f} on {count(os.cpu_count() or 1, 'core')}): "
+            "the ratios vary more than on an idle one; run again when it is idle, or with more --rounds")
     settings = {"prompts": len(texts), "max_new_tokens": max_new_tokens, "rounds": rounds, "lengths": list(lengths),
-                "threads": llm.threads.choice.threads}
+                "threads": llm.threads.choice.threads, "load_average": round(load, 2)}
     return Tuning(results, choose(results), settings)
+
+
+def load_average() -> float:
+    """The 1-minute load average (0 where the platform has none): above the core count, other processes
+    competed with the timed runs."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
