@@ -230,3 +230,19 @@ def test_bad_tune_input_is_one_line_naming_the_flag(capsys, profiles, argv, need
     code, out, err = run_cli(capsys, "tune", "--model", str(STORIES), *argv)
     assert_one_line_error(code, err, needle)
     assert not profiles.exists()
+
+
+def test_choose_takes_the_fastest_lossless_candidate_only_when_faster_beyond_chance():
+    from specee.tune.measure import Candidate, Result, choose
+
+    def result(name, ratio, wins, pairs=8, lossless=True, differing=0):
+        return Result(Candidate(name, name, {"label": name}, lossless=lossless), 100 * ratio, ratio, differing, "",
+                      wins, pairs)
+
+    full = result("full", 1.0, 0, 0)
+    assert choose([full, result("noise", 1.3, 5)]) is full  # faster overall, in 5 of 8 pairs: chance
+    assert choose([full, result("tiny gain", 1.01, 8)]) is full  # below the margin
+    assert choose([full, result("lossy", 1.5, 8, lossless=False)]) is full
+    assert choose([full, result("differs", 1.5, 8, differing=1)]) is full
+    better, best = result("better", 1.2, 7), result("best", 1.3, 8)
+    assert choose([full, better, best, result("lossy", 1.9, 8, lossless=False)]) is best

@@ -119,17 +119,17 @@ def profile_entry(tuning, key: dict) -> dict:
             "settings": tuning.settings,
             "results": [{"name": r.candidate.name, "label": r.candidate.label, "lossless": r.candidate.lossless,
                          "decode_tokens_per_second": round(r.decode_tokens_per_second, 2), "ratio": round(r.ratio, 4),
-                         "differing_prompts": r.differing, "detail": r.detail, "second_pass": r.second_pass}
+                         "differing_prompts": r.differing, "faster_runs": [r.wins, r.pairs], "detail": r.detail,
+                         "second_pass": r.second_pass}
                         for r in tuning.results]}
 
 
 def table(tuning, key: dict, model_dir: Path) -> str:
     """The results as a Markdown table (as llama-bench prints), with what it was measured on above it."""
     from ..bench.report import md_table
-    from ..tune.measure import MARGIN, count
+    from ..tune.measure import ALPHA, MARGIN, count
 
     s = tuning.settings
-    eligible = [r for r in tuning.results if r.eligible]
     rows = []
     for r in tuning.results:
         notes = [r.detail] if r.detail else []
@@ -139,11 +139,13 @@ def table(tuning, key: dict, model_dir: Path) -> str:
             notes.append(f"tokens differ from full depth on {r.differing}/{s['prompts']} prompts: not chosen")
         if r.second_pass:
             notes.append("ratio to full depth timed again beside it")
-        if r is tuning.chosen and r.candidate.decoding is None and max(x.ratio for x in eligible) > 1:
-            notes.append(f"kept: nothing lossless was {MARGIN - 1:.0%} faster")
+        if r is tuning.chosen and r is tuning.results[0] and any(x.eligible and x.ratio > 1 for x in tuning.results[1:]):
+            notes.append(f"kept: nothing lossless was {MARGIN - 1:.0%} faster overall and in enough paired runs "
+                         f"(sign test, p < {ALPHA})")
         rows.append([r.candidate.label, f"{r.decode_tokens_per_second:.1f}", f"{r.ratio:.2f}x",
-                     "**chosen**" if r is tuning.chosen else "", "; ".join(notes)])
+                     "" if r is tuning.results[0] else f"{r.wins}/{r.pairs}", "**chosen**" if r is tuning.chosen else "",
+                     "; ".join(notes)])
     head = (f"specee tune: {model_dir} on {key['machine']}, {count(key['threads'], 'thread')}, quantization "
             f"{key['quantization']}, {key['dtype']}; {count(s['prompts'], 'prompt')} x {s['max_new_tokens']} tokens, "
             f"median of {count(s['rounds'], 'round')}, greedy, EOS ignored")
-    return "\n".join([head, "", md_table(["configuration", "decode tok/s", "vs full depth", "", "notes"], rows)])
+    return "\n".join([head, "", md_table(["configuration", "decode tok/s", "vs full depth", "faster runs", "", "notes"], rows)])

@@ -8,10 +8,15 @@ decode tokens/s, EOS ignored, on short prompts the predictors were not calibrate
 `specee bench speed`, runs are interleaved (per prompt and round every candidate runs once, the order
 alternating), so a machine whose load drifts slows them alike; a prompt's time is its median round.
 A candidate is eligible only if it is lossless and its greedy tokens equal full depth's on every
-prompt, and it replaces full depth only when at least MARGIN faster.
+prompt. It replaces full depth only when at least MARGIN faster overall and faster per token in so many
+of its runs paired with full depth's (same prompt, same round) that chance would rarely give as many
+(a one-sided sign test, p < ALPHA): on a busy 2-core machine four runs of 4 prompts x 2 rounds put
+n-gram speculation at 4 tokens at 1.37x, 0.82x, 0.77x and 0.94x full depth (SmolLM2 Q4_1), and the
+overall ratio alone chose a different configuration in each.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -40,7 +45,8 @@ BUILTIN_PROMPTS = (
 )
 LENGTHS = (1, 2, 3, 4)  # num_speculative_tokens tried by default
 EXIT_K = 4  # the drafter's top-k that early exit's predictors read (generate's --k default, banks' cache key)
-MARGIN = 1.02  # within 2% of full depth is within a run's noise: not worth a drafter's memory and variance
+MARGIN = 1.02  # within 2% of full depth: not worth a drafter's memory and variance
+ALPHA = 0.05  # the sign test's level: with 4 prompts x 2 rounds, faster in at least 7 of the 8 pairs
 WARMUP_TOKENS = 8
 
 
@@ -61,11 +67,23 @@ class Result:
     ratio: float  # to full depth measured in the same pass
     differing: int  # prompts whose greedy tokens differ from full depth's
     detail: str
+    wins: int = 0  # runs faster per token than full depth's run of the same prompt and round
+    pairs: int = 0
     second_pass: bool = False
 
     @property
     def eligible(self) -> bool:
         return self.candidate.lossless and self.differing == 0
+
+    @property
+    def significant(self) -> bool:
+        """Faster than full depth in more paired runs than chance gives (one-sided sign test, p < ALPHA)."""
+        return self.pairs > 0 and sign_test(self.wins, self.pairs) < ALPHA
+
+
+def sign_test(wins: int, pairs: int) -> float:
+    """P(at least `wins` of `pairs` fair coin flips): how often chance alone would win as often."""
+    return sum(math.comb(pairs, i) for i in range(wins, pairs + 1)) / 2 ** pairs
 
 
 @dataclass
@@ -189,9 +207,15 @@ class Tuner:
         reference = runs[candidates[0].name]
         speeds = {c.name: _speed(runs[c.name]) for c in candidates}
         full = speeds[candidates[0].name]
-        return [Result(c, speeds[c.name], speeds[c.name] / full,
-                       sum(rs[0].token_ids != ref[0].token_ids for rs, ref in zip(runs[c.name], reference)),
-                       _detail(runs[c.name]), second_pass) for c in candidates]
+        results = []
+        for c in candidates:
+            pairs = [(run, ref) for rs, refs in zip(runs[c.name], reference) for run, ref in zip(rs, refs)]
+            wins = sum(run.decode_seconds / run.decode_tokens < ref.decode_seconds / ref.decode_tokens
+                       for run, ref in pairs)
+            differing = sum(rs[0].token_ids != refs[0].token_ids for rs, refs in zip(runs[c.name], reference))
+            results.append(Result(c, speeds[c.name], speeds[c.name] / full, differing, _detail(runs[c.name]),
+                                  wins, len(pairs), second_pass))
+        return results
 
 
 def _speed(per_prompt: list[list[Run]]) -> float:
@@ -224,9 +248,10 @@ def fit_prompts(llm, texts: list[str], max_new_tokens: int) -> list[list[int]]:
 
 
 def choose(results: list[Result]) -> Result:
-    """The fastest eligible candidate, if at least MARGIN faster than full depth (results[0]); else full depth."""
-    best = max((r for r in results if r.eligible), key=lambda r: r.ratio)
-    return best if best.ratio >= MARGIN else results[0]
+    """The fastest eligible candidate at least MARGIN faster than full depth (results[0]) and faster in
+    significantly many paired runs; else full depth."""
+    better = [r for r in results[1:] if r.eligible and r.significant and r.ratio >= MARGIN]
+    return max(better, key=lambda r: r.ratio, default=results[0])
 
 
 def tune(llm, texts: list[str], *, draft: Path | None = None, lengths: tuple[int, ...] = LENGTHS,
