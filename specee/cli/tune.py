@@ -27,8 +27,9 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
                        description="Time full depth, n-gram and draft-model speculation at several lengths, "
                                    "lossless early exit and exits inside verification on this machine (greedy "
                                    "decode tokens/s, one process, interleaved runs), print the table and store the "
-                                   "fastest configuration whose output equals full depth's, for this model, CPU and "
-                                   "thread count. generate, chat and serve use it when no --speculative-config or "
+                                   "fastest configuration whose output equals full depth's (full depth unless one "
+                                   "beat it by 2% and in significantly many runs paired with it), for this model, "
+                                   "CPU and thread count. generate, chat and serve use it when no --speculative-config or "
                                    "--draft is given (--no-tune ignores it).")
     add_model_args(p, fastest=True)
     g = p.add_argument_group("tuning")
