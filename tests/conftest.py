@@ -16,6 +16,15 @@ MODELS = SHARED / "models"
 REAL_MODELS = ("stories260K", "ref-target-24L")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_tuned_profiles(tmp_path_factory):
+    """Every test decodes in the mode it names: profiles `specee tune` stored on this machine (read by
+    generate, chat and serve when no mode is given) are not seen; tests of `tune` point at their own."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECEE_TUNE_DIR", str(tmp_path_factory.mktemp("no-tuned-profiles")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Run a module's tests with one torch thread, then restore the setting.

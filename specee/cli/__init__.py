@@ -1,4 +1,4 @@
-"""The `specee` command line: `specee generate | chat | info | serve` (also `python -m specee`).
+"""The `specee` command line: `specee generate | chat | info | serve | tune` (also `python -m specee`).
 
 Layout, so that more subcommands and flags slot in without touching the others:
 
@@ -11,7 +11,7 @@ Layout, so that more subcommands and flags slot in without touching the others:
   `specee: error: ...` with exit status 2.
 
 Modules: `args` (shared flags, `load_llm`), `run` (generate, chat, info), `train` (calibrate,
-train-draft, distill), `serve` (the HTTP server); `specee bench` lives in `specee/bench/cli.py`.
+train-draft, distill), `serve` (the HTTP server), `tune` (the fastest mode on this machine); `specee bench` lives in `specee/bench/cli.py`.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from .args import EXIT_USAGE, PROG, CLIError, Parser, cli_wording
 from .run import add_chat_parser, add_generate_parser, add_info_parser
 from .serve import add_serve_parser
 from .train import add_calibrate_parser, add_distill_parser, add_train_draft_parser
+from .tune import add_tune_parser
 
 
 # ---- entry point ---------------------------------------------------------------------------
@@ -36,7 +37,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
 
 SUBCOMMANDS: list[Callable[[Any], argparse.ArgumentParser]] = [
     add_generate_parser, add_chat_parser, add_info_parser, add_calibrate_parser, add_bench_parser,
-    add_train_draft_parser, add_distill_parser, add_serve_parser]
+    add_train_draft_parser, add_distill_parser, add_serve_parser, add_tune_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

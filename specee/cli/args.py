@@ -263,7 +263,13 @@ def speculative_config_arg(value: str) -> dict:
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument_group("speculative decoding").add_argument(
+    """--speculative-config, and --no-tune: the commands that decode for a user (generate, chat, serve) use
+    what `specee tune` stored when neither it nor --draft picks a mode."""
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--no-tune", action="store_true",
+                   help="ignore the configuration `specee tune` stored for this model, CPU and thread count "
+                        "(default: use it when neither --speculative-config nor --draft is given)")
+    g.add_argument(
         "--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
         help='draft-and-verify decoding, lossless, as in vLLM: \'{"method": "eagle", "model": HEAD_DIR, '
              '"num_speculative_tokens": 4}\' (methods: eagle, draft_model with a model dir, ngram; optional '
@@ -299,7 +305,27 @@ def load_llm(args: argparse.Namespace):
     llm.calibrate()  # early exit's bank, once per model + drafter, with its progress bars
     if llm.early_exit is not None and (warning := exit_room_note(llm.early_exit.bank.summary)):
         note(warning)
+    if getattr(args, "no_tune", True) is False and args.draft is None and args.speculative_config is None:
+        use_tuned(llm)
     return llm
+
+
+def use_tuned(llm) -> None:
+    """Switch to the configuration `specee tune` stored for this model, machine and thread count, saying
+    so; a profile that does not apply (or no longer can) is ignored with the reason."""
+    from ..tune.profile import apply, describe, key_of, lookup, profile_path
+
+    found = lookup(llm.model_dir, llm.fingerprint, key_of(llm))
+    if found.entry is None:
+        if found.note:
+            note(found.note)
+        return
+    try:
+        apply(llm, found.entry)
+    except (ValueError, OSError) as e:
+        note(f"ignoring the tuned profile {profile_path(llm.model_dir)}: {' '.join(str(e).split())}")
+        return
+    note(describe(found.entry, llm.model.device.type))
 
 
 # Below this share of layers saved, early exit has not paid on any model measured (BENCHMARKS.md: the
