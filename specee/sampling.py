@@ -1,7 +1,7 @@
 """Sampling parameters (shaped like vLLM's) and the token choice from logits."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 

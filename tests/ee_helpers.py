@@ -115,3 +115,23 @@ def reference_forced_tokens(model, drafter: Drafter, prompt_ids: list[int], n_to
         out.append(token)
         history.append(token)
     return out
+
+
+# early exit, with exits forced at seeded (token, layer) draws: each KV policy, lossless, and exits
+# inside verification passes (lossy and lossless)
+EXIT_MODES = {
+    "exit_skip": dict(kv_policy="skip"),
+    "exit_propagate": dict(kv_policy="propagate"),
+    "exit_recompute": dict(kv_policy="recompute"),
+    "exit_lossless": dict(mode="lossless"),
+    "exit_in_verification": dict(kv_policy="recompute", num_draft_tokens=3),
+    "exit_lossless_verification": dict(mode="lossless", num_draft_tokens=3),
+}
+
+
+def exit_decoding(llm, config: dict):
+    """Early exit whose drafter proposes every token (a forced exit is always taken) and drafts by
+    prompt lookup; exits where a seeded draw per (token index, layer) says, alike for every request."""
+    dec = decoder(llm, LookupAllTokens(llm.model.cfg.vocab_size), max_pending=3, **config)
+    dec.make_exits = forced(dec, random_forcing(seed=7, rate=0.3))
+    return dec

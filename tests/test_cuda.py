@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
-from ee_helpers import AllTokensDrafter, decoder, random_forcing, run
+from ee_helpers import EXIT_MODES, AllTokensDrafter, decoder, exit_decoding, random_forcing, run
 
 from specee import LLM, SamplingParams
 
@@ -55,6 +55,20 @@ def test_lossless_early_exit_on_cuda_equals_full_depth(checkpoints):
                   max_pending=3)
     seq, _ = run(llm, dec, ids, params, random_forcing(seed=0, rate=0.5))
     assert seq.output_ids == full
+
+
+@pytest.mark.parametrize("mode", list(EXIT_MODES))
+def test_every_early_exit_mode_batches_on_cuda(checkpoints, mode):
+    """Early exit (each KV policy, lossless, exits in verification) in one batch on the GPU: each
+    request's tokens equal its tokens alone there, and the lossless modes give full depth's."""
+    llm = LLM(checkpoints[0], device="cuda", dtype="float32")
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 5, 9, 3)]
+    full = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    llm.early_exit = exit_decoding(llm, EXIT_MODES[mode])
+    together = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert together == [llm.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS, params)]
+    if "lossless" in mode:
+        assert together == full
 
 
 def test_gpu_cost_benchmark_reads_the_host_once_per_step():

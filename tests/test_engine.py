@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
-from ee_helpers import LookupAllTokens, decoder, forced, random_forcing
+from ee_helpers import EXIT_MODES, exit_decoding
 
 from specee import LLM, SamplingParams
 from specee.engine.kv_manager import BLOCK_SIZE, KVCacheManager, parse_kv_budget
@@ -40,25 +40,7 @@ MODES = {
     "draft_tree": {"method": "draft_model", "num_speculative_tokens": 2, "tree": {"topk": 2, "size": 4}},
     "eagle_tree": "a random EAGLE head (features of layers 0 and 2), trees",
 }
-# early exit, with exits forced at seeded (token, layer) draws: each KV policy, lossless, and exits
-# inside verification passes (lossy and lossless)
-EXIT_MODES = {
-    "exit_skip": dict(kv_policy="skip"),
-    "exit_propagate": dict(kv_policy="propagate"),
-    "exit_recompute": dict(kv_policy="recompute"),
-    "exit_lossless": dict(mode="lossless"),
-    "exit_in_verification": dict(kv_policy="recompute", num_draft_tokens=3),
-    "exit_lossless_verification": dict(mode="lossless", num_draft_tokens=3),
-}
 LOSSLESS = {"full", *MODES, "exit_lossless", "exit_lossless_verification"}
-
-
-def exit_decoding(llm, config: dict):
-    """Early exit whose drafter proposes every token (a forced exit is always taken) and drafts by
-    prompt lookup; exits where a seeded draw per (token index, layer) says, alike for every request."""
-    dec = decoder(llm, LookupAllTokens(llm.model.cfg.vocab_size), max_pending=3, **config)
-    dec.make_exits = forced(dec, random_forcing(seed=7, rate=0.3))
-    return dec
 
 
 def eagle_decoding(llm, quantization):

@@ -10,7 +10,6 @@ from checkpoints import Variant, make_checkpoint
 from ee_helpers import AllTokensDrafter, constant_bank, decoder, forced, never_bank, random_forcing, run
 
 from specee import LLM, SamplingParams
-from specee.engine.engine import Engine
 from specee.engine.full_depth import prefill
 from specee.engine.sequence import Sequence
 from specee.exit.config import EarlyExitConfig

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..clock import StageTimer, device_time
+from ..clock import StageTimer
 from ..drafters.base import Draft, Drafter
 from ..exit.bank import PredictorBank
 from ..exit.config import EarlyExitConfig
@@ -35,7 +35,7 @@ from ..exit.lossless import LosslessVerifier
 from ..exit.scheduler import ExitPayoff, TwoLevelScheduler
 from ..exit.stats import ExitStats
 from ..model.llama import StepInputs, Transformer
-from ..sampling import probabilities, sample
+from ..sampling import probabilities
 from ..speculative.speculative import SpecStats
 from ..speculative.verify import verify_chain
 from .decoding import FullDepth
