@@ -37,12 +37,12 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 EOS_FIELDS = ("ignore_eos", "min_tokens")
 
 
-def eos_body(field: str | None, max_tokens: int) -> dict[str, Any] | None:
-    if field is None:
+def eos_body(name: str | None, max_tokens: int) -> dict[str, Any] | None:
+    if name is None:
         return None
-    if field not in EOS_FIELDS:
-        raise BenchError(f"unknown end-of-sequence field {field!r}; choose {', '.join(EOS_FIELDS)}")
-    return {"ignore_eos": True} if field == "ignore_eos" else {"min_tokens": max_tokens}
+    if name not in EOS_FIELDS:
+        raise BenchError(f"unknown end-of-sequence field {name!r}; choose {', '.join(EOS_FIELDS)}")
+    return {"ignore_eos": True} if name == "ignore_eos" else {"min_tokens": max_tokens}
 
 
 async def one_request(client, model: str, prompt: str, max_tokens: int, extra_body: dict | None) -> Result:
