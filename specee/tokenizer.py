@@ -85,28 +85,34 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; pass raw text (CLI: --no-chat)")
-        # The environment transformers renders templates in: loop controls, a tojson that does not
-        # HTML-escape, strftime_now (Llama 3.x templates date their system prompt with it).
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template error: {message}")
-
-        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = tojson
         # like transformers, only the special tokens the tokenizer has are defined in the template
         specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
                                       ("unk_token", self.unk_token), ("pad_token", self.pad_token)) if v is not None}
-        return env.from_string(self.chat_template).render(
+        return _compiled(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **specials)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         # The template already places any special tokens; transformers encodes it without adding more.
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+    """A chat template compiled once (about a millisecond per request otherwise, on a server's event loop),
+    in the environment transformers renders templates in: loop controls, a tojson that does not
+    HTML-escape, strftime_now (Llama 3.x templates date their system prompt with it)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template error: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = tojson
+    return env.from_string(template)
 
 
 def _read_directory(model_dir: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:

@@ -62,6 +62,15 @@ class LiveServer:
         self.thread.join(10)
 
 
+def served_chat(server: LiveServer, model: str, question: str, max_tokens: int):
+    """A greedy chat answer through the openai client, non-streamed (the response) and streamed (its text)."""
+    client, messages = server.client(), [{"role": "user", "content": question}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True) if c.choices)
+    return full, streamed
+
+
 SMOLLM = Path(__file__).resolve().parents[2] / "shared" / "models" / "smollm2-135m-instruct" / \
     "SmolLM2-135M-Instruct.Q4_1.gguf"
 

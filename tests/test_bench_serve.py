@@ -34,6 +34,16 @@ def test_refused_requests_are_counted_as_errors(server):
     assert "no chat template" in report["rows"][0]["first_error"]
 
 
+def test_a_server_without_ignore_eos_gets_min_tokens(server):
+    """llama-cpp-python's server drops fields it does not know; it is sent min_tokens instead (specee, which
+    refuses unknown fields, shows which field was sent)."""
+    prompts = [Prompt("0", "story", "Once upon a time")]
+    report = run_serve_bench({"other": server.url}, prompts, concurrency=[1], max_tokens=8, requests=1,
+                             eos_fields={"other": "min_tokens"})
+    row = report["rows"][0]
+    assert row["eos_field"] == "min_tokens" and row["errors"] == 1 and "min_tokens" in row["first_error"]
+
+
 def test_the_command_writes_its_report_and_figure(tmp_path):
     llm = LLM(real_model_dir("ref-target-24L"), dtype="float32")  # a chat template: chat completions run
     server = LiveServer(create_app(llm, model_name="ref"))
@@ -48,4 +58,6 @@ def test_the_command_writes_its_report_and_figure(tmp_path):
     rows = json.loads((tmp_path / "out" / "report.json").read_text())["rows"]
     assert [(r["concurrency"], r["errors"], r["tokens"]) for r in rows] == [(1, 0, 24), (2, 0, 24)]
     assert all(r["ttft_p50"] > 0 and r["itl_p50"] > 0 and r["tokens_per_second"] > 0 for r in rows)
+    assert all(r["short_answers"] == 0 and len(r["load_average"]) == 2 for r in rows)
+    assert "load avg" in (tmp_path / "out" / "report.md").read_text()
     assert (tmp_path / "out" / "serve.png").stat().st_size > 0

@@ -1,5 +1,6 @@
 """`specee serve` through the official openai client against a live server on a loopback port:
-greedy texts equal `LLM.generate`'s (streamed or not; full depth, n-gram and draft-model speculation),
+greedy texts equal `LLM.generate`'s (streamed or not; full depth, n-gram and draft-model speculation;
+EAGLE and early exit in test_server_modes.py),
 usage counts, 64 and 200 concurrent streams, a disconnect that cancels, n choices, tokenize, metrics
 and the command line."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from conftest import real_model_dir
 pytest.importorskip("fastapi", reason="the server extra (pip install 'specee[server]') is not installed")
 openai = pytest.importorskip("openai", reason="the openai client (requirements-ci.txt) is not installed")
 
-from server_helpers import LiveServer, smollm_llm  # noqa: E402
+from server_helpers import LiveServer, served_chat, smollm_llm  # noqa: E402
 
 from specee import LLM, SamplingParams  # noqa: E402
 from specee.server import create_app  # noqa: E402
@@ -89,12 +90,8 @@ def test_draft_model_speculation_served_equals_generate(tree):
               speculative_config={**config, **({"tree": tree} if tree else {})})
     server = LiveServer(create_app(llm, model_name="ref"))
     try:
-        client = server.client()
         want = llm.generate(QUESTIONS[0], SamplingParams(max_tokens=24), chat=True)[0]
-        messages = [{"role": "user", "content": QUESTIONS[0]}]
-        full = client.chat.completions.create(model="ref", messages=messages, max_tokens=24, temperature=0)
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="ref", messages=messages, max_tokens=24, temperature=0, stream=True) if c.choices)
+        full, streamed = served_chat(server, "ref", QUESTIONS[0], 24)
         assert full.choices[0].message.content == streamed == want.text
         assert full.model_extra["specee"]["choices"][0]["speculative"]["method"] == "draft_model"
         assert server.metric("specee:spec_decode_num_accepted_tokens_total") > 0

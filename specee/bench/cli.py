@@ -246,7 +246,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, parse_list(args.categories), None, args.total, args.shared)
     report = run_serve_bench(servers, prompts, concurrency=parse_list(args.concurrency, int), model=args.served_model,
                              max_tokens=args.max_new_tokens, requests=args.requests, api_key=args.api_key,
-                             ignore_eos=not args.no_ignore_eos)
+                             ignore_eos=not args.no_ignore_eos,
+                             eos_fields=dict.fromkeys(args.min_tokens_for, "min_tokens"))
     return finish(args, report, serve_markdown(report), {"serve.png": plot_serve})
 
 
@@ -350,6 +351,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--requests", type=positive_int, default=None, help="requests per level (default: 2x, at least 8)")
     v.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per answer (default 128)")
     v.add_argument("--no-ignore-eos", action="store_true", help="let answers end at end-of-sequence")
+    v.add_argument("--min-tokens-for", action="append", default=[], metavar="NAME",
+                   help="a server without vLLM's ignore_eos (llama-cpp-python's): send min_tokens = "
+                        "--max-new-tokens instead (repeatable)")
     v.add_argument("--prompts", metavar="FILE", default=None, help="prompt file (default: Spec-Bench)")
     v.add_argument("--categories", metavar="A,B", default=None, help="only these categories")
     v.add_argument("--total", type=positive_int, default=64, help="prompts, round-robin over categories (default 64)")
