@@ -101,6 +101,7 @@ class EngineThread:
         self._stopping = False
         # torch's thread count is per OS thread once set: the caller's setting is copied here before a step
         self.num_threads: int | None = None
+        self._applied_threads: int | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -183,8 +184,9 @@ class EngineThread:
                 handle._emit()
 
     def _step(self) -> None:
-        if self.num_threads and self.num_threads != torch.get_num_threads():
-            torch.set_num_threads(self.num_threads)
+        if self.num_threads and self.num_threads != self._applied_threads:
+            torch.set_num_threads(self.num_threads)  # this thread's own setting (torch's is per thread)
+            self._applied_threads = self.num_threads
         if not self._guard(self.engine.step, list(self._running.values()), "step"):
             return
         if not self.engine.has_unfinished():  # nothing left inside: whatever is unfinished was dropped
