@@ -2,6 +2,8 @@
 (engine/threads.py: the fastest count measured on a decode step) and the stats that report it."""
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
@@ -122,3 +124,73 @@ def test_the_stats_line_says_when_fewer_threads_than_all_were_chosen():
     assert stats_line(RequestStats(threads=2)).endswith("; 2 threads)")
     assert stats_line(RequestStats(threads=1, thread_probe_ms={1: 3.0, 2: 40.0})).endswith(
         "; 1 of 2 threads (the fastest measured))")
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _in_fresh_thread(work):
+    """`work()`'s result, run on a new OS thread (its own OpenMP pool, none left behind: a pool ends with its thread)."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(work()))
+    t.start()
+    t.join()
+    return box[0]
+
+
+needs_linux_omp = pytest.mark.skipif(not (os.path.isdir("/proc/self/task") and torch.backends.openmp.is_available()),
+                                     reason="counts OS threads in /proc of an OpenMP build of torch")
+
+
+@needs_linux_omp
+def test_int4_products_run_on_the_threads_asked_for():
+    """The kernels are built with OpenMP: a 2-thread product starts the calling thread's helper (it
+    ran serially, whatever the count, when at::parallel_for's pragma was compiled away)."""
+    from specee.model.kernels import int4_kernel
+    from specee.model.quant import Int4Linear
+    if int4_kernel() is None:
+        pytest.skip("CPU kernels unavailable here")
+    linear = Int4Linear.from_float(torch.randn(512, 256))
+    x = torch.randn(2, 256)
+
+    def product_adds_threads():
+        torch.set_num_threads(2)
+        before = _os_threads()
+        linear(x)
+        return _os_threads() - before
+    assert _in_fresh_thread(product_adds_threads) == 1
+
+
+@needs_linux_omp
+def test_release_frees_the_calling_threads_openmp_pool():
+    from specee.engine.threads import release_openmp_pool
+    x = torch.randn(1 << 22)
+
+    def counts():
+        torch.set_num_threads(2)
+        start = _os_threads()
+        x.mul(2.0)  # large enough to run in parallel
+        grown = _os_threads()
+        release_openmp_pool()
+        return grown - start, _os_threads() - start
+    assert _in_fresh_thread(counts) == (1, 0)
+
+
+@needs_linux_omp
+@needs_stories
+def test_a_thread_that_hands_requests_to_the_engine_leaves_no_idle_pool():
+    """An idle pool elsewhere in the process makes the engine thread's parallel regions sleep and wake
+    (engine/threads.py, release_openmp_pool): generate frees the caller's before its request runs."""
+    llm = LLM(str(STORIES), threads=1)
+    llm.generate(["warm"], SamplingParams(max_tokens=2))  # the engine thread exists, with no helper of its own
+    x = torch.randn(1 << 22)
+
+    def pool_left_after_generate():
+        torch.set_num_threads(2)
+        start = _os_threads()
+        x.mul(2.0)  # leaves this thread an idle helper
+        torch.set_num_threads(1)  # the engine thread decodes with the caller's count: none of its own
+        llm.generate(["Once upon a time"], SamplingParams(max_tokens=2))
+        return _os_threads() - start
+    assert _in_fresh_thread(pool_left_after_generate) == 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .sequence import RequestOutput, Sequence
+from .threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class EngineThread:
 
     # ---- any thread ---------------------------------------------------------------------
     def submit(self, seq: Sequence, sink: Callable[[Delta], None] | None = None, tag: object = None) -> RequestHandle:
+        release_openmp_pool()  # this thread's idle OpenMP threads would slow the engine thread's
         handle = RequestHandle(seq, sink, tag)
         self._commands.put(("submit", handle))
         return handle

@@ -178,14 +178,16 @@ class DecodeLayer {
   Linear lin_[4];
 };
 
+// The calls that run the model release the GIL (pure ATen and C++ inside), so the engine thread's
+// layers do not stall the threads that stream its output, and theirs do not stall it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
       .def(pybind11::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
-      .def("__call__", &DecodeLayer::forward)
-      .def("ragged", &DecodeLayer::forward_ragged);
+      .def("__call__", &DecodeLayer::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("ragged", &DecodeLayer::forward_ragged, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_best_level", &int4_best_level);
   m.def("int4_level", &int4_level);
   m.def("int4_set_level", &int4_set_level);
-  m.def("int4_mm", &int4_mm);
+  m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
