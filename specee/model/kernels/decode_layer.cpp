@@ -15,6 +15,8 @@
 
 namespace {
 
+constexpr int64_t kSiluGrain = 16384;  // gate elements worth a parallel region (a few microseconds)
+
 // A linear as the runtime holds it (model/quant.py): float weight, int8 per channel, or int4 packed.
 struct Linear {
   // 0 float: w = weight; 1 int8: w = qweight, aux = bf16 scales; 2 int4 (PyTorch's kernel): w = packed,
@@ -100,6 +102,15 @@ class DecodeLayer {
     const int64_t W = (NH + 2 * NKV) * D;
     at::Tensor attn = at::empty({S, NH * D}, h.options());
     const bool rows_alone = row_attention_available(D);
+    const auto attends_alone = [&](size_t g) {
+      return rows_alone && !causal[g] && (chain[g] || (rows[g] == 1 && !masks[g].numel()));
+    };
+    // RoPE and the K/V writes of every segment first; then the rows that attend alone over their own
+    // prefix (decode rows, chains: row_attention.cpp) in parallel, each by one thread, so a row's numbers
+    // do not depend on the batch; then the other segments, one ATen call each (with its own threads)
+    std::vector<at::Tensor> qs(rows.size());
+    std::vector<int64_t> firsts(rows.size());
+    std::vector<std::pair<int64_t, int64_t>> alone;  // (segment, row within it)
     int64_t first = 0;
     for (size_t g = 0; g < rows.size(); ++g) {
       const int64_t n = rows[g];
@@ -109,8 +120,8 @@ class DecodeLayer {
       const int64_t len = kc.size(2), ks = kc.stride(1), vs = vc.stride(1);
       float* K = kc.data_ptr<float>();
       float* V = vc.data_ptr<float>();
-      at::Tensor q = at::empty({1, NH, n, D}, h.options());
-      float* qo = q.data_ptr<float>();
+      qs[g] = at::empty({1, NH, n, D}, h.options());
+      float* qo = qs[g].data_ptr<float>();
       for (int64_t i = 0; i < n; ++i) {
         const int64_t r = first + i;
         TORCH_CHECK(slot[r] < len, "DecodeLayer: slot past the cache");
@@ -121,29 +132,41 @@ class DecodeLayer {
           std::copy(row + (NH + NKV + j) * D, row + (NH + NKV + j + 1) * D, V + j * vs + slot[r] * D);
         }
       }
-      if (rows_alone && !causal[g] && (chain[g] || (n == 1 && !masks[g].numel()))) {
-        // each row alone over its own prefix (a decode row, a chain's rows): row_attention.cpp
-        for (int64_t i = 0; i < n; ++i)
-          row_attention(qo + i * D, n * D, K, ks, V, vs, n == 1 ? kv_lens[g] : slot[first + i] + 1, D, NH, NKV,
-                        attn.data_ptr<float>() + (first + i) * NH * D);
-      } else {
-        const at::Tensor out = attention(q, kc, vc, slot + first, kv_lens[g], masks[g], causal[g], chain[g]);
-        attn.narrow(0, first, n).copy_(out.transpose(1, 2).reshape({n, NH * D}));
-      }
+      firsts[g] = first;
+      if (attends_alone(g))
+        for (int64_t i = 0; i < n; ++i) alone.emplace_back(g, i);
       first += n;
     }
     TORCH_CHECK(first == S, "DecodeLayer: segment rows do not add up to the rows given");
+    at::parallel_for(0, static_cast<int64_t>(alone.size()), 1, [&](int64_t a0, int64_t a1) {
+      for (int64_t a = a0; a < a1; ++a) {
+        const auto [g, i] = alone[a];
+        const at::Tensor &kc = k[g], &vc = v[g];
+        const int64_t n = rows[g];
+        row_attention(qs[g].data_ptr<float>() + i * D, n * D, kc.data_ptr<float>(), kc.stride(1), vc.data_ptr<float>(),
+                      vc.stride(1), n == 1 ? kv_lens[g] : slot[firsts[g] + i] + 1, D, NH, NKV,
+                      attn.data_ptr<float>() + (firsts[g] + i) * NH * D);
+      }
+    });
+    for (size_t g = 0; g < rows.size(); ++g) {
+      if (attends_alone(g)) continue;
+      const at::Tensor out = attention(qs[g], k[g], v[g], slot + firsts[g], kv_lens[g], masks[g], causal[g], chain[g]);
+      attn.narrow(0, firsts[g], rows[g]).copy_(out.transpose(1, 2).reshape({rows[g], NH * D}));
+    }
     at::Tensor out = hc.view({S, H}) + lin_[1](attn);
     for (int64_t r = 0; r < S; ++r)
       rms_norm(out.data_ptr<float>() + r * H, mlp_norm_.data_ptr<float>(), x.data_ptr<float>() + r * H, H, eps_);
     const at::Tensor gu = lin_[2](x);  // [S, 2 I]
     const int64_t I = gu.size(1) / 2;
     at::Tensor act = at::empty({S, I}, h.options());
-    for (int64_t r = 0; r < S; ++r) {
-      const float* g = gu.data_ptr<float>() + r * 2 * I;
-      float* a = act.data_ptr<float>() + r * I;
-      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
-    }
+    // the gate's exp per element is scalar libm: split rows across threads once there are enough of them
+    at::parallel_for(0, S, std::max<int64_t>(1, kSiluGrain / I), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* g = gu.data_ptr<float>() + r * 2 * I;
+        float* a = act.data_ptr<float>() + r * I;
+        for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+      }
+    });
     out.add_(lin_[3](act));
     return out.view({1, S, H});
   }
