@@ -692,8 +692,9 @@ def test_llama_cpp_peer_refuses_what_it_cannot_run(monkeypatch):
         LlamaCppPeer(Path("model.gguf"), 1, 64)
 
 
-def test_llama_cpp_peer_decodes_the_same_gguf_greedily():
-    """llama.cpp runs Q4_1 with int8 activations, not specee's float arithmetic, so greedy tokens may
+@pytest.mark.parametrize("lookup", [0, 2], ids=["plain", "prompt-lookup"])
+def test_llama_cpp_peer_decodes_the_same_gguf_greedily(lookup):
+    """llama.cpp (plain, and with its own prompt-lookup speculation) runs Q4_1 with int8 activations, not specee's float arithmetic, so greedy tokens may
     part at a near-tie (this prompt: 'L' 25.00 vs 'The' 24.91 in llama.cpp, the other way in
     float32). What must hold: exactly the tokens asked for, each among the top few of the same
     model's float logits when teacher-forced (a wrong file, template or position would fail)."""
@@ -708,7 +709,7 @@ def test_llama_cpp_peer_decodes_the_same_gguf_greedily():
 
     llm = LLM(gguf, progress=False, quantization=None)
     ids = llm.encode("What is the capital of France?", chat=True)
-    run = LlamaCppPeer(gguf, 2, len(ids) + 16).run(ids, 12)
+    run = LlamaCppPeer(gguf, 2, len(ids) + 16, lookup).run(ids, 12)
     assert run.tokens == 12 and len(run.token_ids) == 12 and run.decode_tokens == 11
     model, seq = llm.model, ids + run.token_ids
     with torch.inference_mode():

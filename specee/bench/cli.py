@@ -164,7 +164,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
                        show_progress=not args.no_progress, argv=argv_of(args), oracle_layers=args.oracle_layers,
                        speculative=args.speculative_config, hf_prompt_lookup=args.hf_prompt_lookup,
                        hf_assistant=args.hf_assistant, measure_row_costs=args.row_costs,
-                       llama_cpp=args.llama_cpp)
+                       llama_cpp=args.llama_cpp, llama_cpp_lookup=args.llama_cpp_lookup)
     return finish(args, report, speed_markdown(report),
                   {"exit_histogram.png": plots.plot_exit_histograms, "throughput.png": plots.plot_throughput})
 
@@ -271,6 +271,9 @@ def add_speculative_bench_args(s: argparse.ArgumentParser) -> None:
                    help="peer: transformers assisted generation with this assistant model")
     g.add_argument("--llama-cpp", action="store_true",
                    help="peer: llama.cpp on the same GGUF file (needs llama-cpp-python)")
+    g.add_argument("--llama-cpp-lookup", type=non_negative_int, default=0, metavar="N",
+                   help="peer: llama.cpp with its prompt-lookup speculation (LlamaPromptLookupDecoding), N tokens "
+                        "per step (default 0: not run)")
     g.add_argument("--row-costs", action="store_true",
                    help="also time one target pass over 1, 2, 4, 8 rows with float32, bfloat16, int8 and int4 weights (verification cost)")
 

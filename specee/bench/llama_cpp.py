@@ -1,10 +1,12 @@
 """llama.cpp as a peer in `specee bench speed` (optional: `pip install llama-cpp-python`).
 
 It runs the same GGUF file natively (its own quantized kernels) on the same prompt token ids,
-greedy, exactly `max_new_tokens` tokens, with as many threads as torch. Tokens go in one per
-call: in the llama-cpp-python build used here, evaluating several tokens in one call crashed on
-the development CPU, so its prompt processing is slower than it could be; decode tokens/s (one
-token per call either way) is the figure to compare.
+greedy, exactly `max_new_tokens` tokens, with as many threads as torch. Plain decoding feeds one
+token per call (an older llama-cpp-python build crashed on several tokens per call on the
+development CPU), so its prompt processing is slower than it could be; decode tokens/s is the
+figure to compare. With `lookup` > 0 it decodes with llama.cpp's own speculation,
+`LlamaPromptLookupDecoding` (n-gram drafts from the prompt and output, that many per step),
+verified several tokens per call by `Llama.generate` with greedy sampling.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from .timing import Run
 
 
 class LlamaCppPeer:
-    def __init__(self, gguf: Path, threads: int, context: int):
+    def __init__(self, gguf: Path, threads: int, context: int, lookup: int = 0):
         if Path(gguf).suffix.lower() != ".gguf":
             raise BenchError(f"--llama-cpp needs a .gguf target, got {gguf}")
         try:
@@ -26,8 +28,14 @@ class LlamaCppPeer:
         except ImportError:
             raise BenchError("--llama-cpp needs llama-cpp-python: pip install 'specee[llama-cpp]' "
                              "(it builds llama.cpp from source: about 15 minutes on a small CPU)") from None
+        draft = None
+        if lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+        self.lookup = lookup
         self.model = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
-                           n_batch=1, verbose=False)
+                           n_batch=512 if lookup else 1, draft_model=draft, verbose=False)
 
     def _argmax(self) -> int:
         """The last evaluated token's logits, read in place (`Llama.scores` holds them only with
@@ -37,7 +45,9 @@ class LlamaCppPeer:
 
     def run(self, ids: list[int], max_new_tokens: int):
         m = self.model
-        m.reset()
+        m.reset()  # also keeps `generate` from reusing the last run's cached prompt
+        if self.lookup:
+            return self._run_lookup(ids, max_new_tokens)
         t0 = time.perf_counter()
         for token in ids:
             m.eval([token])
@@ -46,5 +56,16 @@ class LlamaCppPeer:
         while len(out) < max_new_tokens:
             m.eval([out[-1]])
             out.append(self._argmax())
+        t2 = time.perf_counter()
+        return Run(len(out), t1 - t0, t2 - t1, len(out) - 1, out)
+
+    def _run_lookup(self, ids: list[int], max_new_tokens: int):
+        """`Llama.generate` (which drafts and verifies) greedy, until max_new_tokens (it stops at no EOS)."""
+        out, t0, t1 = [], time.perf_counter(), None
+        for token in self.model.generate(ids, top_k=1, temp=0.0, reset=True):
+            t1 = t1 or time.perf_counter()
+            out.append(token)
+            if len(out) >= max_new_tokens:
+                break
         t2 = time.perf_counter()
         return Run(len(out), t1 - t0, t2 - t1, len(out) - 1, out)

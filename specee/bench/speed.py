@@ -142,12 +142,13 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
               argv: Sequence[str] | None = None, oracle_layers: float | None = None,
               speculative: Sequence[dict[str, Any]] = (), hf_prompt_lookup: int | None = None,
               hf_assistant: str | None = None, measure_row_costs: bool = False,
-              llama_cpp: bool = False) -> dict[str, Any]:
+              llama_cpp: bool = False, llama_cpp_lookup: int = 0) -> dict[str, Any]:
     """Measure every configuration on `prompts`; returns the report dict (see module doc).
     oracle_layers: the oracle's mean layers run (`specee bench oracle`), for the cost ceilings.
     speculative: speculative_config dicts to run; hf_prompt_lookup / hf_assistant: transformers'
     assisted generation peers; measure_row_costs: the target's cost per verified row (bench/speculative.py);
-    llama_cpp: llama.cpp on the same GGUF as a peer (bench/llama_cpp.py)."""
+    llama_cpp: llama.cpp on the same GGUF as a peer (bench/llama_cpp.py); llama_cpp_lookup: also
+    llama.cpp with its prompt-lookup speculation, that many tokens per step (0: not run)."""
     from .speculative import SPEC_KINDS, SpeculativeRunner, row_costs, speculative_specs
 
     if repeats < 1 or warmup < 0:
@@ -160,15 +161,20 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
     specs = config_specs(draft, bank, k, policies, lossless, hf, ee_options)
     specs += speculative_specs(list(speculative), hf_prompt_lookup, hf_assistant)
     specs += merged_specs(list(speculative), draft, bank, k, policies, lossless, ee_options)
-    llama_peer = None
-    if llama_cpp:
+    peers = [("llama.cpp", "llama.cpp (same GGUF, native kernels)", 0)] if llama_cpp else []
+    if llama_cpp_lookup:
+        peers.append((f"llama.cpp-lookup{llama_cpp_lookup}",
+                      f"llama.cpp, prompt-lookup speculation ({llama_cpp_lookup} tokens)", llama_cpp_lookup))
+    llama_peers = {}
+    if peers:
         import torch
 
         from .llama_cpp import LlamaCppPeer
 
-        llama_peer = LlamaCppPeer(llm.model_dir, torch.get_num_threads(),
-                                  max(len(ids) for ids, _ in fitted) + max_new_tokens)
-        specs.append(ConfigSpec("llama.cpp", "llama.cpp (same GGUF, native kernels)", "llama_cpp"))
+        context = max(len(ids) for ids, _ in fitted) + max_new_tokens + llama_cpp_lookup + 1
+        for name, what, lookup in peers:
+            llama_peers[name] = LlamaCppPeer(llm.model_dir, torch.get_num_threads(), context, lookup)
+            specs.append(ConfigSpec(name, what, "llama_cpp"))
     hf_model = None
     if hf or any(s.kind == "hf_assisted" for s in specs):
         if not show_progress:
@@ -187,7 +193,7 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
         if spec.kind == "hf":
             return hf_run(hf_model, ids, n, sorted(llm.eos_ids))
         if spec.kind == "llama_cpp":
-            return llama_peer.run(ids, n)
+            return llama_peers[spec.name].run(ids, n)
         use_config(llm, spec.config if spec.kind == "early_exit" else None)
         return specee_run(llm, ids, n)
 
