@@ -38,14 +38,16 @@ MODES = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
     "draft_tree": {"method": "draft_model", "num_speculative_tokens": 2, "tree": {"topk": 2, "size": 4}},
+    "eagle": "a random EAGLE head (features of layers 0 and 2), chains",
     "eagle_tree": "a random EAGLE head (features of layers 0 and 2), trees",
 }
 LOSSLESS = {"full", *MODES, "exit_lossless", "exit_lossless_verification"}
 
 
-def eagle_decoding(llm, quantization):
+def eagle_decoding(llm, quantization, tree: bool):
     """Speculation with a random EAGLE head on `llm`'s target (int4 on a quantized target, as the config
-    would make it): it reads the target's features, so it must follow every request's own rows."""
+    would make it): it reads the target's features, so it must follow every request's own rows. Every
+    step drafts (no gate): chains then draft every request of a step together (`draft_all`)."""
     from specee.drafters.eagle import EagleDrafter
     from specee.drafters.eagle_head import EagleHead, EagleHeadConfig
     from specee.speculative import SpeculativeDecoding, TreeShape
@@ -56,7 +58,7 @@ def eagle_decoding(llm, quantization):
     head = EagleHead.init_random(model, cfg, shortlist[: cfg.shortlist_size].sort().values, seed=0)
     if quantization is not None:
         head = EagleHead(model, cfg, head.shortlist, head.params, quantization=quantization)
-    return SpeculativeDecoding(model, EagleDrafter(head), 3, TreeShape(3, 2, 5), "eagle")
+    return SpeculativeDecoding(model, EagleDrafter(head), 3, TreeShape(3, 2, 5) if tree else None, "eagle", gated=False)
 
 
 @pytest.fixture(scope="module", params=[None, "int4"], ids=["float", "int4"])
@@ -72,7 +74,7 @@ def mode_llms(request, checkpoints):
         if name in EXIT_MODES:
             llm.early_exit = exit_decoding(llm, config)
         elif isinstance(config, str):
-            llm.speculative = eagle_decoding(llm, request.param)
+            llm.speculative = eagle_decoding(llm, request.param, tree=name == "eagle_tree")
         else:
             if config is not None and config["method"] == "draft_model":
                 config = {**config, "model": str(draft)}

@@ -344,6 +344,61 @@ def test_one_host_read_per_speculative_step(ref, ref_draft, monkeypatch, kind):
 
 
 # ---- configuration -----------------------------------------------------------------------------------
+# ---- EAGLE: the forks of a step draft together -----------------------------------------------------
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_eagle_drafting_several_forks_at_once_equals_each_alone(real_llm, quantization):
+    """`EagleDrafter.draft_all` advances the chains of forks at different history lengths together (one
+    ragged head forward per depth; forks wanting fewer tokens, or none, drop out): each fork's draft
+    (tokens, sampling probabilities), the head cache it wrote and its drafts after committing equal
+    drafting it alone, greedy and seeded sampling (each from its own generator). int4: the quantized
+    head on a quantized target, through the C++ ragged layer."""
+    from conftest import real_model_dir
+
+    from specee import LLM
+
+    model = (real_llm("ref-target-24L") if quantization is None else
+             LLM(real_model_dir("ref-target-24L"), dtype="float32", quantization=quantization)).model
+    proto = EagleDrafter(random_head(model, layers=(1, 11, 23), quantization=quantization))
+    assert quantization is None or proto.head.runtime.fast_layers is not None
+    ids = torch.randint(0, model.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    hs = model.hidden_states(ids)
+    feats = torch.cat([hs[i + 1] for i in proto.feature_layers], -1)[None]  # [1, 40, W]: f(x_t) at row t
+    lengths = [9, 17, 4, 12]  # each fork's history: ids[:m]
+    greedy, hot = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=4)
+    params, ns = [greedy, hot, greedy, hot], [4, 3, 0, 1]
+    V = model.cfg.vocab_size
+
+    def forks():
+        out = []
+        for m in lengths:
+            d = proto.fork()
+            d.begin(ids[:m], feats[:, : m - 1])
+            out.append(d)
+        return out
+
+    def gens():
+        return [None if p.greedy else p.make_generator(torch.device("cpu")) for p in params]
+
+    together, alone = forks(), forks()
+    for step in range(3):  # drafts, then commits of the next tokens of ids (1, 2, ... at once)
+        a = proto.draft_all(together, ns, params, gens(), V)
+        b = [d.draft(n, p, g, V) for d, n, p, g in zip(alone, ns, params, gens())]
+        for x, y, n in zip(a, b, ns):
+            assert x.tokens.tolist() == y.tokens.tolist() and len(x.tokens) == n
+            assert (x.probs is None) == (y.probs is None)
+            if x.probs is not None:
+                torch.testing.assert_close(x.probs, y.probs)
+        for d, e, n in zip(together, alone, ns):
+            assert d._n == e._n
+            end = d._n + max(n - 1, 0)  # the committed pairs and the fed-back draft rows
+            torch.testing.assert_close(d._cache.k[:, :, :, :end], e._cache.k[:, :, :, :end], atol=1e-5, rtol=1e-5)
+            m, c = len(d.history), step + 1
+            for f in (d, e):
+                f.commit(ids[m : m + c], 0, feats[:, m - 1 : m - 1 + c])
+    for d, e in zip(together, alone):
+        assert d.propose().tolist() == e.propose().tolist()
+
+
 @pytest.mark.parametrize("raw,message", [
     ({"method": "medusa"}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer from 1 to 64"),

@@ -6,7 +6,9 @@ contract): the row pairing the target's feature at position t with the token at 
 slot and RoPE position t + 1 and predicts the token at t + 2; slot 0 is never written.
 
 * begin: pairs (f(x_0), x_1) .. (f(x_{m-2}), x_{m-1}) of the prompt in one head pass;
-* draft: a chain, feeding the head's own output back with each draft token;
+* draft / draft_all: a chain, feeding the head's own output back with each draft token; the
+  chains of several forks (the requests of an engine step) advance together, one ragged head
+  forward per depth (engine/runner.py's inputs, the target's `ragged_layer`);
 * tree_root / tree_rows: the same, for the beam rows of an EAGLE-2 tree (speculative/tree.py);
 * commit: the target's real features replace the fed-back ones: the accepted rows are rerun.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.runner import Segment, ragged_inputs
 from ..sampling import SamplingParams
 from .base import Draft, DraftChain, Drafter
 from .eagle_head import EagleHead
@@ -68,17 +71,35 @@ class EagleDrafter(Drafter):
         self._history.extend(tokens)
         self._pairs(features, tokens)
 
-    @torch.inference_mode()
     def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
-        head, h = self.head, self._last
-        n = max(0, min(n, self.context - self._n))
-        self._ensure_capacity(self._n + n)
-        chain = DraftChain(params, generator, head.shortlist, width, self.device)
-        for j in range(n):
-            token = chain.pick(head.logits(h[0]))  # scores over the shortlist
-            if j < n - 1:
-                h = head.forward(h, token.view(1, 1), self.target.range_inputs(self._n + j, 1), self._cache)
-        return chain.draft()
+        return self.draft_all([self], [n], [params], [generator], width)[0]
+
+    @torch.inference_mode()
+    def draft_all(self, drafters: list["EagleDrafter"], ns: list[int], params: list[SamplingParams],
+                  generators: list[torch.Generator | None], width: int) -> list[Draft]:
+        """`draft` for several forks at once: each draft depth is one ragged head forward over the rows
+        of the forks still drafting (each at its own slot and position, in its own cache), and the
+        logits one call over their outputs. The forks run longest chain first, so the rows of a depth
+        are a prefix of the previous depth's: the outputs stay one tensor, sliced as forks drop out."""
+        target = self.target
+        ns = [max(0, min(n, d.context - d._n)) for n, d in zip(ns, drafters)]
+        chains = [DraftChain(p, g, self.head.shortlist, width, self.device) for p, g in zip(params, generators)]
+        order = sorted(range(len(drafters)), key=lambda i: -ns[i])
+        forks = [drafters[i] for i in order]
+        for d, n in zip(drafters, ns):
+            d._ensure_capacity(d._n + n)
+        h = torch.cat([d._last for d in forks], dim=1) if len(forks) > 1 else forks[0]._last  # [1, F, H]
+        for j in range(ns[order[0]] if order else 0):
+            live = sum(ns[i] > j for i in order)  # rows drafting at depth j, a prefix of `order`
+            logits = self.head.logits(h[0, :live])
+            tokens = torch.cat([chains[i].pick(logits[r : r + 1]) for r, i in enumerate(order[:live])])
+            fed = sum(ns[i] > j + 1 for i in order)  # the last draft token's row is not needed to draft
+            if fed:
+                segments = [Segment(tokens[r : r + 1], d._cache, target.range_inputs(d._n + j, 1))
+                            for r, d in enumerate(forks[:fed])]
+                batch = ragged_inputs(segments, [s.step for s in segments], [1] * fed)
+                h = self.head.ragged(h[:, :fed], tokens[None, :fed], batch)
+        return [c.draft() for c in chains]
 
     def tree_root(self, candidates: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._n + candidates > self.context:

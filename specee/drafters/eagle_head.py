@@ -25,7 +25,7 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
-from ..model.llama import LayerWeights, StepInputs, Transformer
+from ..model.llama import LayerWeights, RaggedInputs, StepInputs, Transformer
 from ..model.quant import FloatLinear, Linear, linear_from_parts
 
 WEIGHTS_FILE = "head.safetensors"
@@ -162,13 +162,22 @@ class EagleHead:
         own previous outputs (W = hidden_size); tokens [B, S]: the tokens at p_j + 1. Writes the rows'
         K/V at step.slots (position p_j + 1's slots) and returns h [B, S, H], the head's estimate of the
         target's last-layer output at p_j + 1."""
+        return self.runtime.layer(0, self._inputs(features, tokens), step, cache)
+
+    def ragged(self, features: torch.Tensor, tokens: torch.Tensor, batch: RaggedInputs) -> torch.Tensor:
+        """`forward` over the rows [1, N] of several sequences, each segment of `batch` in its own cache
+        (the target's ragged layer, engine/runner.py's inputs): the fc and the layer's products run once
+        over all rows. Features of one width for all rows."""
+        return self.runtime.ragged_layer(0, self._inputs(features, tokens), batch)
+
+    def _inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The layer's input rows: fc over (the feature, fused when it is the target's, and the token's embedding)."""
         if features.shape[-1] != self.config.hidden_size:
             if features.shape[-1] != self.feature_width or self._fuse is None:
                 raise ValueError(f"features of width {features.shape[-1]}; the head reads {self.feature_width} "
                                  f"(target features) or {self.config.hidden_size} (its own output)")
             features = self._fuse(features)
-        x = self._fc(torch.cat([features, self.target.embed(tokens)], dim=-1))
-        return self.runtime.layer(0, x, step, cache)
+        return self._fc(torch.cat([features, self.target.embed(tokens)], dim=-1))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[..., shortlist_size]: the target's final norm and LM head rows of the shortlist; column c
