@@ -347,11 +347,12 @@ def test_one_host_read_per_speculative_step(ref, ref_draft, monkeypatch, kind):
 # ---- EAGLE: the forks of a step draft together -----------------------------------------------------
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_eagle_drafting_several_forks_at_once_equals_each_alone(real_llm, quantization):
-    """`EagleDrafter.draft_all` advances the chains of forks at different history lengths together (one
-    ragged head forward per depth; forks wanting fewer tokens, or none, drop out): each fork's draft
-    (tokens, sampling probabilities), the head cache it wrote and its drafts after committing equal
-    drafting it alone, greedy and seeded sampling (each from its own generator). int4: the quantized
-    head on a quantized target, through the C++ ragged layer."""
+    """`EagleDrafter.draft_all` runs the pending pairs (prompt, commits) of forks at different history
+    lengths in one ragged head forward, then advances their chains together (one per depth; forks
+    wanting fewer tokens, or none, drop out): each fork's draft (tokens, sampling probabilities), the
+    head cache it wrote and its drafts after committing equal drafting it alone, greedy and seeded
+    sampling (each from its own generator); and its state equals one head pass over its history.
+    int4: the quantized head on a quantized target, through the C++ ragged layer."""
     from conftest import real_model_dir
 
     from specee import LLM
@@ -380,7 +381,7 @@ def test_eagle_drafting_several_forks_at_once_equals_each_alone(real_llm, quanti
         return [None if p.greedy else p.make_generator(torch.device("cpu")) for p in params]
 
     together, alone = forks(), forks()
-    for step in range(3):  # drafts, then commits of the next tokens of ids (1, 2, ... at once)
+    for step in range(3):  # drafts (the forks' pending pairs run first), then commits of the next tokens of ids
         a = proto.draft_all(together, ns, params, gens(), V)
         b = [d.draft(n, p, g, V) for d, n, p, g in zip(alone, ns, params, gens())]
         for x, y, n in zip(a, b, ns):
@@ -392,11 +393,17 @@ def test_eagle_drafting_several_forks_at_once_equals_each_alone(real_llm, quanti
             assert d._n == e._n
             end = d._n + max(n - 1, 0)  # the committed pairs and the fed-back draft rows
             torch.testing.assert_close(d._cache.k[:, :, :, :end], e._cache.k[:, :, :, :end], atol=1e-5, rtol=1e-5)
-            m, c = len(d.history), step + 1
             for f in (d, e):
-                f.commit(ids[m : m + c], 0, feats[:, m - 1 : m - 1 + c])
+                for c in (2, 1) if step == 1 else (step + 1,):  # step 1: two commits, the first runs alone
+                    m = len(f.history)
+                    f.commit(ids[m : m + c], 0, feats[:, m - 1 : m - 1 + c])
     for d, e in zip(together, alone):
         assert d.propose().tolist() == e.propose().tolist()
+        m = d._n  # the history is ids[:m], its pairs at slots 1..m-1
+        cache = proto.head.new_cache(1, m)
+        h = proto.head.forward(feats[:, : m - 1], torch.tensor([ids[1:m]]), model.range_inputs(1, m - 1), cache)
+        torch.testing.assert_close(d._last, h[:, -1:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(d._cache.k[:, :, :, :m], cache.k, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("raw,message", [

@@ -5,14 +5,18 @@ output at the last committed position (which predicts the first draft token). Al
 contract): the row pairing the target's feature at position t with the token at t + 1 sits at
 slot and RoPE position t + 1 and predicts the token at t + 2; slot 0 is never written.
 
-* begin: pairs (f(x_0), x_1) .. (f(x_{m-2}), x_{m-1}) of the prompt in one head pass;
-* draft / draft_all: a chain, feeding the head's own output back with each draft token; the
-  chains of several forks (the requests of an engine step) advance together, one ragged head
-  forward per depth (engine/runner.py's inputs, the target's `ragged_layer`);
-* tree_root / tree_rows: the same, for the beam rows of an EAGLE-2 tree (speculative/tree.py);
-* commit: the target's real features replace the fed-back ones: the accepted rows are rerun.
+* begin: pairs (f(x_0), x_1) .. (f(x_{m-2}), x_{m-1}) of the prompt, run in one head pass;
+* commit: the target's real features replace the fed-back ones: the accepted rows are rerun;
+* draft / draft_all: a chain, feeding the head's own output back with each draft token;
+* tree_root / tree_rows: the same, for the beam rows of an EAGLE-2 tree (speculative/tree.py).
+The pairs of begin and commit wait for the next draft (at most one commit waits), so that the
+forks of an engine step (one per request) run them together, then advance their chains
+together: one ragged head forward per draft depth (engine/runner.py's inputs, the target's
+`ragged_layer`), each fork in its own cache.
 """
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 
@@ -36,6 +40,7 @@ class EagleDrafter(Drafter):
         self._history: list[int] = []
         self._n = 0  # next slot to write: slots 1.._n - 1 hold the committed pairs
         self._last: torch.Tensor | None = None  # head output at the last committed position, [1, 1, H]
+        self._pending: torch.Tensor | None = None  # target features [1, S, W] of the last S tokens, not run yet
         self._rows: torch.Tensor | None = None  # outputs of the last tree call's rows, [1, k, H]
 
     def _ensure_capacity(self, needed: int) -> None:
@@ -48,28 +53,39 @@ class EagleDrafter(Drafter):
         self._cache = grown
 
     @torch.inference_mode()
-    def _pairs(self, features: torch.Tensor, tokens: list[int]) -> None:
-        """Head rows for (features[j], tokens[j]) at slots _n.._n + S - 1; the last output is kept."""
-        S = len(tokens)
-        self._ensure_capacity(self._n + S)
-        ids = torch.tensor([tokens], device=self.device)
-        out = self.head.forward(features, ids, self.target.range_inputs(self._n, S), self._cache)
-        self._n += S
-        self._cache.length = self._n
-        self._last = out[:, -1:]
+    def _catch_up(self, drafters: list["EagleDrafter"]) -> None:
+        """The pending pairs of every fork that has some (the target's features and the last tokens of the
+        history) as one ragged head forward, each fork's rows at its next slots in its own cache; each
+        keeps its last output."""
+        waiting = [d for d in drafters if d._pending is not None]
+        if not waiting:
+            return
+        rows = [d._pending.shape[1] for d in waiting]
+        ids = torch.tensor([t for d, S in zip(waiting, rows) for t in d._history[-S:]], device=self.device)
+        segments = []
+        for d, S, tokens in zip(waiting, rows, ids.split(rows)):
+            d._ensure_capacity(d._n + S)
+            segments.append(Segment(tokens, d._cache, self.target.range_inputs(d._n, S)))
+        feats = torch.cat([d._pending for d in waiting], dim=1) if len(waiting) > 1 else waiting[0]._pending
+        out = self.head.ragged(feats, ids[None], ragged_inputs(segments, [s.step for s in segments], rows))
+        for d, S, end in zip(waiting, rows, accumulate(rows)):
+            d._last, d._pending = out[:, end - 1 : end], None
+            d._n += S
+            d._cache.length = d._n
 
     # ---- speculative decoding -----------------------------------------------------------------
     def begin(self, history: list[int], features: torch.Tensor | None = None) -> None:
         if features is None or features.shape[1] != len(history) - 1:
             raise ValueError("the EAGLE drafter starts from the target's features at every prompt position")
-        self._history, self._n, self._last = list(history), 1, None
-        self._pairs(features, history[1:])
+        self._history, self._n, self._last, self._pending = list(history), 1, None, features
 
     def commit(self, tokens: list[int], matched: int, features: torch.Tensor | None = None) -> None:
         if features is None or features.shape[1] != len(tokens):
             raise ValueError("the EAGLE drafter commits with the target's features at the rows before each token")
+        if self._pending is not None:  # a step that did not draft: at most one commit waits
+            self._catch_up([self])
         self._history.extend(tokens)
-        self._pairs(features, tokens)
+        self._pending = features
 
     def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
         return self.draft_all([self], [n], [params], [generator], width)[0]
@@ -82,6 +98,7 @@ class EagleDrafter(Drafter):
         logits one call over their outputs. The forks run longest chain first, so the rows of a depth
         are a prefix of the previous depth's: the outputs stay one tensor, sliced as forks drop out."""
         target = self.target
+        self._catch_up(drafters)
         ns = [max(0, min(n, d.context - d._n)) for n, d in zip(ns, drafters)]
         chains = [DraftChain(p, g, self.head.shortlist, width, self.device) for p, g in zip(params, generators)]
         order = sorted(range(len(drafters)), key=lambda i: -ns[i])
@@ -102,6 +119,7 @@ class EagleDrafter(Drafter):
         return [c.draft() for c in chains]
 
     def tree_root(self, candidates: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self._catch_up([self])
         if self._n + candidates > self.context:
             return None
         self._ensure_capacity(self._n + candidates)
@@ -143,4 +161,5 @@ class EagleDrafter(Drafter):
 
     def propose(self) -> torch.Tensor:
         """The head's top-k for the position after the committed history."""
+        self._catch_up([self])
         return self.head.shortlist[self.head.logits(self._last[0, 0]).topk(self.k).indices]
