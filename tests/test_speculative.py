@@ -18,6 +18,7 @@ from specee.model.quant import FloatLinear, Int4Linear
 from specee.sampling import SamplingParams
 from specee.engine.engine import Engine
 from specee.speculative import SpeculativeDecoding, TreeShape
+from specee.speculative.tree import TreeGrower
 from specee.speculative import verify as verify_module
 from specee.speculative.config import SpeculativeConfig
 from specee.speculative.verify import accept_chain_sampled, accept_tree
@@ -344,15 +345,10 @@ def test_one_host_read_per_speculative_step(ref, ref_draft, monkeypatch, kind):
 
 
 # ---- configuration -----------------------------------------------------------------------------------
-# ---- EAGLE: the forks of a step draft together -----------------------------------------------------
-@pytest.mark.parametrize("quantization", [None, "int4"])
-def test_eagle_drafting_several_forks_at_once_equals_each_alone(real_llm, quantization):
-    """`EagleDrafter.draft_all` runs the pending pairs (prompt, commits) of forks at different history
-    lengths in one ragged head forward, then advances their chains together (one per depth; forks
-    wanting fewer tokens, or none, drop out): each fork's draft (tokens, sampling probabilities), the
-    head cache it wrote and its drafts after committing equal drafting it alone, greedy and seeded
-    sampling (each from its own generator); and its state equals one head pass over its history.
-    int4: the quantized head on a quantized target, through the C++ ragged layer."""
+# ---- the forks of a step draft together -------------------------------------------------------------
+def eagle_target(real_llm, quantization: str | None):
+    """ref-target-24L (float, or quantized for the C++ layers), an EAGLE drafter on it (a random head,
+    quantized alike), a random token sequence and the target's features over it ([1, 40, W])."""
     from conftest import real_model_dir
 
     from specee import LLM
@@ -363,24 +359,43 @@ def test_eagle_drafting_several_forks_at_once_equals_each_alone(real_llm, quanti
     assert quantization is None or proto.head.runtime.fast_layers is not None
     ids = torch.randint(0, model.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     hs = model.hidden_states(ids)
-    feats = torch.cat([hs[i + 1] for i in proto.feature_layers], -1)[None]  # [1, 40, W]: f(x_t) at row t
+    return model, proto, ids, torch.cat([hs[i + 1] for i in proto.feature_layers], -1)[None]
+
+
+def forks_at(proto: Drafter, ids: list[int], lengths: list[int], feats: torch.Tensor | None) -> list[Drafter]:
+    """Forks of `proto` with the histories ids[:m] (an EAGLE fork starts from the target's features)."""
+    out = []
+    for m in lengths:
+        d = proto.fork()
+        d.begin(ids[:m], None if feats is None else feats[:, : m - 1])
+        out.append(d)
+    return out
+
+
+def commit_next(drafter: Drafter, ids: list[int], count: int, feats: torch.Tensor | None) -> None:
+    """The drafter consumes the next `count` tokens of ids (with their features for EAGLE)."""
+    m = len(drafter.history)
+    drafter.commit(ids[m : m + count], 0, None if feats is None else feats[:, m - 1 : m - 1 + count])
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_eagle_drafting_several_forks_at_once_equals_each_alone(real_llm, quantization):
+    """`EagleDrafter.draft_all` runs the pending pairs (prompt, commits) of forks at different history
+    lengths in one ragged head forward, then advances their chains together (one per depth; forks
+    wanting fewer tokens, or none, drop out): each fork's draft (tokens, sampling probabilities), the
+    head cache it wrote and its drafts after committing equal drafting it alone, greedy and seeded
+    sampling (each from its own generator); and its state equals one head pass over its history.
+    int4: the quantized head on a quantized target, through the C++ ragged layer."""
+    model, proto, ids, feats = eagle_target(real_llm, quantization)
     lengths = [9, 17, 4, 12]  # each fork's history: ids[:m]
     greedy, hot = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=4)
     params, ns = [greedy, hot, greedy, hot], [4, 3, 0, 1]
     V = model.cfg.vocab_size
 
-    def forks():
-        out = []
-        for m in lengths:
-            d = proto.fork()
-            d.begin(ids[:m], feats[:, : m - 1])
-            out.append(d)
-        return out
-
     def gens():
         return [None if p.greedy else p.make_generator(torch.device("cpu")) for p in params]
 
-    together, alone = forks(), forks()
+    together, alone = forks_at(proto, ids, lengths, feats), forks_at(proto, ids, lengths, feats)
     for step in range(3):  # drafts (the forks' pending pairs run first), then commits of the next tokens of ids
         a = proto.draft_all(together, ns, params, gens(), V)
         b = [d.draft(n, p, g, V) for d, n, p, g in zip(alone, ns, params, gens())]
@@ -395,8 +410,7 @@ def test_eagle_drafting_several_forks_at_once_equals_each_alone(real_llm, quanti
             torch.testing.assert_close(d._cache.k[:, :, :, :end], e._cache.k[:, :, :, :end], atol=1e-5, rtol=1e-5)
             for f in (d, e):
                 for c in (2, 1) if step == 1 else (step + 1,):  # step 1: two commits, the first runs alone
-                    m = len(f.history)
-                    f.commit(ids[m : m + c], 0, feats[:, m - 1 : m - 1 + c])
+                    commit_next(f, ids, c, feats)
     for d, e in zip(together, alone):
         assert d.propose().tolist() == e.propose().tolist()
         m = d._n  # the history is ids[:m], its pairs at slots 1..m-1
@@ -404,6 +418,34 @@ def test_eagle_drafting_several_forks_at_once_equals_each_alone(real_llm, quanti
         h = proto.head.forward(feats[:, : m - 1], torch.tensor([ids[1:m]]), model.range_inputs(1, m - 1), cache)
         torch.testing.assert_close(d._last, h[:, -1:], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(d._cache.k[:, :, :, :m], cache.k, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle_int4", "draft_model"])
+def test_trees_of_several_forks_grow_together_as_each_alone(real_llm, ref_draft, kind):
+    """`TreeGrower.grow` over forks at different history lengths (each depth's beam rows of all forks
+    in one ragged forward; one fork without room for the candidates gets no tree) gives each fork the
+    tree, and the drafter cache rows, it gets grown alone."""
+    model, proto, ids, feats = eagle_target(real_llm, "int4" if kind == "eagle_int4" else None)
+    if kind == "draft_model":
+        proto, feats = ref_draft, None
+    shape = TreeShape(3, 3, 8)
+    grower, lengths = TreeGrower(shape, model.device), [9, 17, 4, 12]
+    together, alone = forks_at(proto, ids, lengths, feats), forks_at(proto, ids, lengths, feats)
+    for forks in (together, alone):
+        forks[3].context = lengths[3] + shape.candidates - 1  # no room for the candidates
+    for step in range(2):
+        roots = torch.tensor([d.history[-1] for d in together])
+        a = grower.grow(roots, proto, together)
+        b = [grower.grow(root[None], d, [d])[0] for root, d in zip(roots, alone)]
+        assert a[3] is None and b[3] is None
+        for x, y in zip(a[:3], b[:3]):
+            for field in ("tokens", "parents", "depths", "ancestors"):
+                assert torch.equal(getattr(x, field), getattr(y, field)), field
+        for d, e in zip(together[:3], alone[:3]):
+            end = d._n + shape.candidates
+            torch.testing.assert_close(d._cache.k[:, :, :, :end], e._cache.k[:, :, :, :end], atol=1e-5, rtol=1e-5)
+            for f in (d, e):
+                commit_next(f, ids, step + 1, feats)
 
 
 @pytest.mark.parametrize("raw,message", [

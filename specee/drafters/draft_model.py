@@ -27,6 +27,7 @@ from ..model.llama import Transformer
 from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
+from ..speculative.tree import beam_inputs
 from ..tokenizer import Tokenizer
 from .base import Draft, DraftChain, Drafter, check_same_tokenizer
 
@@ -164,14 +165,12 @@ class DraftModelDrafter(Drafter):
         return self.draft_all([self], [n], [params], [generator], width)[0]
 
     @torch.inference_mode()
-    def draft_all(self, drafters: list["DraftModelDrafter"], ns: list[int], params: list[SamplingParams],
-                  generators: list[torch.Generator | None], width: int) -> list[Draft]:
-        """`draft` for several forks at once: each forward of the draft model (the catch-up of every
-        fork's pending tokens, then each draft position) is one ragged forward over the forks' rows,
-        each in its own cache, and the LM head one call over their states."""
+    def _catch_up_all(self, drafters: list["DraftModelDrafter"]) -> list[torch.Tensor]:
+        """`_catch_up` of several forks: their pending tokens in one ragged forward of the draft model,
+        each in its own cache; each fork's last final-normed state."""
         from ..engine.runner import ModelRunner, Segment
 
-        model, runner = self.model, ModelRunner(self.model)
+        model = self.model
         normed: list[torch.Tensor | None] = [None] * len(drafters)
         segments, who = [], []
         for i, d in enumerate(drafters):
@@ -184,13 +183,25 @@ class DraftModelDrafter(Drafter):
             else:  # nothing pending, or past the draft's context (its window moves): alone
                 normed[i] = d._catch_up()
         if segments:
-            h, _, rows = runner.forward(segments)
+            h, _, rows = ModelRunner(model).forward(segments)
             last = model.norm(h[torch.tensor(rows).cumsum(0) - 1])
             for (i, pending), state in zip(who, last):
                 d = drafters[i]
                 d._last, d._n = state[None], d._n + pending
                 d._cache.length = d._n
                 normed[i] = d._last
+        return normed
+
+    @torch.inference_mode()
+    def draft_all(self, drafters: list["DraftModelDrafter"], ns: list[int], params: list[SamplingParams],
+                  generators: list[torch.Generator | None], width: int) -> list[Draft]:
+        """`draft` for several forks at once: each forward of the draft model (the catch-up of every
+        fork's pending tokens, then each draft position) is one ragged forward over the forks' rows,
+        each in its own cache, and the LM head one call over their states."""
+        from ..engine.runner import ModelRunner, Segment
+
+        model, runner = self.model, ModelRunner(self.model)
+        normed = self._catch_up_all(drafters)
         starts = [d._n for d in drafters]
         ns = [max(0, min(n, d.context - start)) for n, d, start in zip(ns, drafters, starts)]
         chains = [DraftChain(p, g, self._head_ids, width, self.device) for p, g in zip(params, generators)]
@@ -228,26 +239,30 @@ class DraftModelDrafter(Drafter):
         return self._top_k(torch.cat(states))
 
     # the draft-tree interface (specee.speculative.tree.TreeGrower): candidates sit at slots n + c
-    def tree_root(self, candidates: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Logits for the position after the history and the token id of each column; None when
-        `candidates` rows do not fit the draft's context."""
-        normed = self._catch_up()
-        if self._n + candidates > self.context:
-            return None
-        self._ensure_capacity(self._n + candidates)
-        self._drafted = 0
-        return self._head(normed), self._head_ids
+    def tree_roots(self, drafters: list["DraftModelDrafter"], candidates: int
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[bool], None]:
+        """Logits for the position after each fork's history that has room for `candidates` rows past
+        it, and the token id of each column."""
+        normed = self._catch_up_all(drafters)
+        fits = [d._n + candidates <= d.context for d in drafters]
+        grown = [(d, state) for d, state, f in zip(drafters, normed, fits) if f]
+        for d, _ in grown:
+            d._ensure_capacity(d._n + candidates)
+            d._drafted = 0
+        logits = self._head(torch.cat([state for _, state in grown])) if grown else None
+        return logits, self._head_ids, fits, None
 
     @torch.inference_mode()
-    def tree_rows(self, parents: torch.Tensor, tokens: torch.Tensor, depth: int, slots: torch.Tensor,
-                  visible: torch.Tensor) -> torch.Tensor:
-        """Run beam rows (tokens at depth `depth` past the last history token) at slots n + slots,
-        each reading the history and the candidates in `visible`; their logits [k, V']."""
-        n, (k, C), model = self._n, visible.shape, self.model
-        mask = torch.cat([visible.new_ones(k, n), visible], dim=1).view(1, 1, k, n + C)
-        positions = model.slot_ids[n - 1 + depth].expand(1, k)
-        h = model.forward(tokens.view(1, k), model.step_inputs(positions, n + slots, mask, n + C), self._cache)
-        return self._head(model.norm(h[0]))
+    def tree_rows(self, drafters: list["DraftModelDrafter"], state: None, parents: torch.Tensor, tokens: torch.Tensor,
+                  depth: int, slots: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The beam rows of every fork in one ragged forward, each fork's rows in its own cache; their
+        logits [R, k, V']."""
+        from ..engine.runner import ModelRunner, Segment
+
+        model, (R, k, _) = self.model, visible.shape
+        segments = [Segment(t, d._cache, beam_inputs(model, d._n, depth, s, v))
+                    for d, t, s, v in zip(drafters, tokens, slots, visible)]
+        return self._head(model.norm(ModelRunner(model).forward(segments)[0])).view(R, k, -1), None
 
     def commit(self, tokens: list[int], matched: int, features: torch.Tensor | None = None) -> None:
         keep = min(matched, self._drafted)  # accepted draft tokens whose K/V the draft already wrote

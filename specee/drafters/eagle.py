@@ -8,11 +8,11 @@ slot and RoPE position t + 1 and predicts the token at t + 2; slot 0 is never wr
 * begin: pairs (f(x_0), x_1) .. (f(x_{m-2}), x_{m-1}) of the prompt, run in one head pass;
 * commit: the target's real features replace the fed-back ones: the accepted rows are rerun;
 * draft / draft_all: a chain, feeding the head's own output back with each draft token;
-* tree_root / tree_rows: the same, for the beam rows of an EAGLE-2 tree (speculative/tree.py).
+* tree_roots / tree_rows: the same, for the beam rows of EAGLE-2 trees (speculative/tree.py).
 The pairs of begin and commit wait for the next draft (at most one commit waits), so that the
 forks of an engine step (one per request) run them together, then advance their chains
-together: one ragged head forward per draft depth (engine/runner.py's inputs, the target's
-`ragged_layer`), each fork in its own cache.
+together (or grow their trees together): one ragged head forward per draft depth (engine/runner.py's
+inputs, the target's `ragged_layer`), each fork in its own cache.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 
 from ..engine.runner import Segment, ragged_inputs
 from ..sampling import SamplingParams
+from ..speculative.tree import beam_inputs
 from .base import Draft, DraftChain, Drafter
 from .eagle_head import EagleHead
 
@@ -41,7 +42,6 @@ class EagleDrafter(Drafter):
         self._n = 0  # next slot to write: slots 1.._n - 1 hold the committed pairs
         self._last: torch.Tensor | None = None  # head output at the last committed position, [1, 1, H]
         self._pending: torch.Tensor | None = None  # target features [1, S, W] of the last S tokens, not run yet
-        self._rows: torch.Tensor | None = None  # outputs of the last tree call's rows, [1, k, H]
 
     def _ensure_capacity(self, needed: int) -> None:
         cache = self._cache
@@ -118,25 +118,35 @@ class EagleDrafter(Drafter):
                 h = self.head.ragged(h[:, :fed], tokens[None, :fed], batch)
         return [c.draft() for c in chains]
 
-    def tree_root(self, candidates: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        self._catch_up([self])
-        if self._n + candidates > self.context:
-            return None
-        self._ensure_capacity(self._n + candidates)
-        self._rows = self._last
-        return self.head.logits(self._last[0]), self.head.shortlist
+    # the draft-tree interface (specee.speculative.tree.TreeGrower): the trees of all forks grow together
+    def tree_roots(self, drafters: list["EagleDrafter"], candidates: int
+                   ) -> tuple[torch.Tensor | None, torch.Tensor, list[bool], torch.Tensor | None]:
+        """The root logits of the forks with room for `candidates` rows past their history; state: their
+        head outputs at the root, [1, R, H]."""
+        self._catch_up(drafters)
+        fits = [d._n + candidates <= d.context for d in drafters]
+        grown = [d for d, f in zip(drafters, fits) if f]
+        for d in grown:
+            d._ensure_capacity(d._n + candidates)
+        if not grown:
+            return None, self.head.shortlist, fits, None
+        rows = torch.cat([d._last for d in grown], dim=1)
+        return self.head.logits(rows[0]), self.head.shortlist, fits, rows
 
     @torch.inference_mode()
-    def tree_rows(self, parents: torch.Tensor, tokens: torch.Tensor, depth: int, slots: torch.Tensor,
-                  visible: torch.Tensor) -> torch.Tensor:
-        """Beam rows (token at depth `depth`, fed the parent row's output) at slots n + slots, each
-        reading the committed slots and the candidates in `visible`; their logits [k, shortlist]."""
-        n, (k, C), target = self._n, visible.shape, self.target
-        mask = torch.cat([visible.new_ones(k, n), visible], dim=1).view(1, 1, k, n + C)
-        positions = target.slot_ids[n - 1 + depth].expand(1, k)
-        step = target.step_inputs(positions, n + slots, mask, n + C)
-        self._rows = self.head.forward(self._rows[:, parents], tokens.view(1, k), step, self._cache)
-        return self.head.logits(self._rows[0])
+    def tree_rows(self, drafters: list["EagleDrafter"], state: torch.Tensor, parents: torch.Tensor,
+                  tokens: torch.Tensor, depth: int, slots: torch.Tensor, visible: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The beam rows of every fork (token at depth `depth`, fed its parent row's output) in one ragged
+        head forward, each fork's rows in its own cache; their logits [R, k, shortlist] and outputs."""
+        (R, k, _), target = visible.shape, self.target
+        segments = [Segment(t, d._cache, beam_inputs(target, d._n, depth, s, v))
+                    for d, t, s, v in zip(drafters, tokens, slots, visible)]
+        P = state.shape[1] // R  # each fork's rows in the previous call
+        feed = state[:, (parents + torch.arange(0, R * P, P, device=self.device)[:, None]).flatten()]
+        batch = ragged_inputs(segments, [s.step for s in segments], [k] * R)
+        out = self.head.ragged(feed, tokens.view(1, R * k), batch)
+        return self.head.logits(out[0]).view(R, k, -1), out
 
     # ---- the early-exit interface: the head needs the target's features, which it does not pass
     def _no_features(self) -> None:

@@ -99,22 +99,28 @@ class SpeculativeDecoding(FullDepth):
         self.drafting = True  # this step's requests draft (the gate's choice)
 
     def begin_step(self, batch: list[Running]) -> None:
-        """The gate's choice for this batch size; then every decoding request's chain in one call of
-        the drafter (a draft model batches its forwards across the requests)."""
+        """The gate's choice for this batch size; then every decoding request's tree, or chain, in one
+        call of the drafter (a drafter that runs a model batches its forwards across the requests)."""
         decoding = [r for r in batch if r.prefilled]
         self.drafting = self.gate is None or self.gate.begin_step(len(decoding))
-        if not self.drafting or self.grower is not None or len(decoding) < 2:
-            return
-        chains = [r for r in decoding if self.room(r) > 0]
-        if not chains:
+        ready = [r for r in decoding if self.room(r) > 0]
+        if not self.drafting or len(decoding) < 2 or not ready:
             return
         t0 = device_time(self.model.device)
-        drafts = self.drafter.draft_all([r.state.drafter for r in chains],
-                                        [min(self.num_tokens, self.room(r)) for r in chains],
-                                        [r.seq.params for r in chains], [r.generator for r in chains], self.width)
-        share = (device_time(self.model.device) - t0) / len(chains)
-        for r, draft in zip(chains, drafts):
-            r.state.draft = draft
+        deep = [r for r in ready if self.room(r) >= self.grower.shape.depth] if self.grower is not None else []
+        if deep:
+            roots = torch.tensor([r.last for r in deep], device=self.model.device)
+            for r, tree in zip(deep, self.grower.grow(roots, self.drafter, [r.state.drafter for r in deep])):
+                r.state.tree = tree
+        chains = [r for r in ready if r.state.tree is None]  # or whose drafter had no room for a tree
+        if chains:
+            drafts = self.drafter.draft_all([r.state.drafter for r in chains],
+                                            [min(self.num_tokens, self.room(r)) for r in chains],
+                                            [r.seq.params for r in chains], [r.generator for r in chains], self.width)
+            for r, draft in zip(chains, drafts):
+                r.state.draft = draft
+        share = (device_time(self.model.device) - t0) / len(ready)
+        for r in ready:
             r.state.stats.draft_seconds += share
 
     @staticmethod
@@ -150,13 +156,13 @@ class SpeculativeDecoding(FullDepth):
         room = self.room(r) if self.drafting else 0  # no drafts: a plain decode row, verified the same way
         t0 = device_time(model.device)
         last = torch.tensor([r.last], device=model.device)
-        st.tree = None
-        if self.grower is not None and room >= self.grower.shape.depth:
-            st.tree = self.grower.grow(last, st.drafter)
         if st.tree is None and st.draft is None:  # not drafted with the others in begin_step
-            st.draft = (st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width) if room > 0
-                        else Draft(last[:0]))
-        st.stats.draft_seconds += device_time(model.device) - t0
+            if self.grower is not None and room >= self.grower.shape.depth:
+                st.tree = self.grower.grow(last, st.drafter, [st.drafter])[0]
+            if st.tree is None:
+                st.draft = (st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width) if room > 0
+                            else Draft(last[:0]))
+            st.stats.draft_seconds += device_time(model.device) - t0
         if st.tree is not None:
             return Segment(st.tree.tokens, r.cache, tree_inputs(model, st.tree, n))
         return Segment(torch.cat([last, st.draft.tokens]), r.cache, model.range_inputs(n, st.draft.tokens.shape[0] + 1))
@@ -184,7 +190,7 @@ class SpeculativeDecoding(FullDepth):
                 features = features[: accepted + 1]
         st.stats.record(drafted, accepted)
         st.drafter.commit(emitted, accepted, None if features is None else features[None])
-        st.draft = None
+        st.draft = st.tree = None
         return emitted
 
     def stats(self, r: Running, decode_seconds: float) -> dict | None:

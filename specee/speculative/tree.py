@@ -4,7 +4,8 @@ Growing (Li et al. 2024, "EAGLE-2"): the root's top-k tokens are depth 1; at eve
 depth the k most confident nodes so far (the beam) are expanded by the drafter, each into its
 top-k children, scored by the sum of log-probabilities along the path. Of all candidates the
 `size` most confident become the tree; a child never scores above its parent, so that set is
-closed under ancestors. Everything has a fixed shape and stays on the device: no host sync.
+closed under ancestors. Everything has a fixed shape and stays on the device: no host sync; so
+the trees of a step's requests grow together, each tensor with a leading request dimension.
 
 Layout: row 0 is the root (the last committed token, whose K/V the target has not written
 yet), rows 1..size the chosen candidates in growing order (parents before children). Row i
@@ -58,13 +59,17 @@ class Tree:
 
 
 class TreeGrower:
-    """Grows trees of one shape. `drafter` gives the root's scores and expands beam rows:
+    """Grows trees of one shape, the trees of several requests together (every tensor has a leading
+    request dimension R; the drafter runs each depth's beam rows of all requests in one call).
+    `drafter` is a drafter whose forks (one per request) hold the requests' states:
 
-    drafter.tree_root(C) -> (logits [1, V'], ids [V'] or None: token id of each column), or None
-        when C candidate rows do not fit
-    drafter.tree_rows(parents [k], tokens [k], depth, slots [k], visible [k, C]) -> logits [k, V']
-        where parents index the rows of the previous call (the root call: row 0), slots are the
-        candidates' indices (0..C-1) and visible[r, c]: row r reads candidate c.
+    drafter.tree_roots(forks, C) -> (logits [R', V'], ids [V'] or None: token id of each column,
+        fits [R] bools: the forks with room for C candidate rows, whose logits these are; state)
+    drafter.tree_rows(forks, state, parents [R', k], tokens [R', k], depth, slots [R', k],
+        visible [R', k, C]) -> (logits [R', k, V'], state)
+    where forks are the fitting ones, parents index each fork's rows of the previous call (the root
+    call: its row 0), slots are the candidates' indices (0..C-1), visible[r, i, c]: row i of fork r
+    reads candidate c; `state` is the drafter's, handed back on the next call.
     """
 
     def __init__(self, shape: TreeShape, device: torch.device):
@@ -76,49 +81,66 @@ class TreeGrower:
         self.eye = torch.eye(shape.candidates, dtype=torch.bool, device=device)
         self.rows = torch.arange(max(shape.size + 1, shape.topk), device=device)
 
-    def grow(self, root: torch.Tensor, drafter) -> Tree | None:
-        """root: LongTensor [1], the last committed token. None: the drafter has no room for the
-        candidates (near the end of its context)."""
+    def grow(self, roots: torch.Tensor, drafter, forks: list) -> list[Tree | None]:
+        """roots: LongTensor [R], each request's last committed token; forks: the requests' forks of
+        `drafter`. None for a request whose drafter has no room for the candidates (near the end of its
+        context)."""
         K, D, C = self.shape.topk, self.shape.depth, self.shape.candidates
-        device = root.device
-        cand_tokens = torch.empty(C, dtype=torch.long, device=device)
-        cand_scores = torch.empty(C, dtype=torch.float32, device=device)
-        cand_parents = torch.full((C,), -1, dtype=torch.long, device=device)
-        root_scores = drafter.tree_root(C)
-        if root_scores is None:
-            return None
-        logits, ids = root_scores
-        scores, cols = F.log_softmax(logits.float(), dim=-1)[0].topk(K)
-        cand_tokens[:K] = cols if ids is None else ids[cols]
-        cand_scores[:K] = scores
-        ancestors = self.eye.clone()
-        beam, beam_rows = self.rows[:K], torch.zeros(K, dtype=torch.long, device=device)
+        logits, ids, fits, state = drafter.tree_roots(forks, C)
+        grown = [i for i, f in enumerate(fits) if f]
+        if not grown:
+            return [None] * len(forks)
+        if len(grown) < len(forks):
+            forks, roots = [forks[i] for i in grown], roots[grown]
+        R, device = len(grown), roots.device
+        cand_tokens = torch.empty(R, C, dtype=torch.long, device=device)
+        cand_scores = torch.empty(R, C, dtype=torch.float32, device=device)
+        cand_parents = torch.full((R, C), -1, dtype=torch.long, device=device)
+        scores, cols = F.log_softmax(logits.float(), dim=-1).topk(K)  # [R, K]
+        cand_tokens[:, :K] = cols if ids is None else ids[cols]
+        cand_scores[:, :K] = scores
+        ancestors = self.eye.expand(R, C, C).clone()
+        beam = self.rows[:K].expand(R, K)
+        beam_rows = torch.zeros(R, K, dtype=torch.long, device=device)
         offset = K
         for d in range(1, D):
-            logits = drafter.tree_rows(beam_rows, cand_tokens[beam], d, beam, ancestors[beam])
-            lp, cols = F.log_softmax(logits.float(), dim=-1).topk(K, dim=-1)  # [K, K]
+            visible = ancestors.gather(1, beam[:, :, None].expand(R, K, C))
+            logits, state = drafter.tree_rows(forks, state, beam_rows, cand_tokens.gather(1, beam), d, beam, visible)
+            lp, cols = F.log_softmax(logits.float(), dim=-1).topk(K, dim=-1)  # [R, K, K]
             new = slice(offset, offset + K * K)
-            cand_scores[new] = (cand_scores[beam][:, None] + lp).flatten()
-            cand_tokens[new] = (cols if ids is None else ids[cols]).flatten()
-            cand_parents[new] = beam.repeat_interleave(K)
-            ancestors[new] |= ancestors[cand_parents[new]]
-            best = cand_scores[new].topk(K).indices
+            cand_scores[:, new] = (cand_scores.gather(1, beam)[:, :, None] + lp).flatten(1)
+            cand_tokens[:, new] = (cols if ids is None else ids[cols]).flatten(1)
+            cand_parents[:, new] = beam.repeat_interleave(K, dim=1)
+            ancestors[:, new] |= ancestors.gather(1, cand_parents[:, new, None].expand(R, K * K, C))
+            best = cand_scores[:, new].topk(K).indices
             beam, beam_rows = offset + best, best // K
             offset += K * K
-        T = self.shape.size + 1
-        order = torch.sort(-cand_scores, stable=True).indices  # ties: shallower (parent) first
-        chosen = order[: self.shape.size].sort().values  # growing order: parents before children
-        row_of = torch.zeros(C, dtype=torch.long, device=device)
-        row_of[chosen] = self.rows[1 : T]
-        parent_cand = cand_parents[chosen]
-        node_parents = torch.where(parent_cand < 0, 0, row_of[parent_cand.clamp(min=0)])
-        tree_anc = torch.zeros(T, T, dtype=torch.bool, device=device)
-        tree_anc[:, 0] = True
-        tree_anc[1:, 1:] = ancestors[chosen][:, chosen]
-        return Tree(tokens=torch.cat([root, cand_tokens[chosen]]),
-                    parents=torch.cat([self.rows[:1], node_parents]),
-                    depths=torch.cat([self.rows[:1], self.cand_depths[chosen]]),
-                    ancestors=tree_anc, depth=D)
+        T, size = self.shape.size + 1, self.shape.size
+        order = torch.sort(-cand_scores, dim=1, stable=True).indices  # ties: shallower (parent) first
+        chosen = order[:, :size].sort(dim=1).values  # growing order: parents before children
+        row_of = torch.zeros(R, C, dtype=torch.long, device=device)
+        row_of.scatter_(1, chosen, self.rows[1:T].expand(R, size))
+        parent_cand = cand_parents.gather(1, chosen)
+        node_parents = torch.where(parent_cand < 0, 0, row_of.gather(1, parent_cand.clamp(min=0)))
+        tree_anc = torch.zeros(R, T, T, dtype=torch.bool, device=device)
+        tree_anc[:, :, 0] = True
+        tree_anc[:, 1:, 1:] = ancestors.gather(1, chosen[:, :, None].expand(R, size, C)).gather(
+            2, chosen[:, None, :].expand(R, size, size))
+        tokens = torch.cat([roots[:, None], cand_tokens.gather(1, chosen)], dim=1)
+        parents = torch.cat([self.rows[:1].expand(R, 1), node_parents], dim=1)
+        depths = torch.cat([self.rows[:1].expand(R, 1), self.cand_depths[chosen]], dim=1)
+        trees: list[Tree | None] = [None] * len(fits)
+        for r, i in enumerate(grown):
+            trees[i] = Tree(tokens=tokens[r], parents=parents[r], depths=depths[r], ancestors=tree_anc[r], depth=D)
+        return trees
+
+
+def beam_inputs(model: Transformer, n: int, depth: int, slots: torch.Tensor, visible: torch.Tensor) -> StepInputs:
+    """A drafter's step over k beam rows of one tree (tokens at depth `depth` past the last of n history
+    tokens) at cache slots n + slots, each reading the history and the candidates in `visible` [k, C]."""
+    k, C = visible.shape
+    mask = torch.cat([visible.new_ones(k, n), visible], dim=1).view(1, 1, k, n + C)
+    return model.step_inputs(model.slot_ids[n - 1 + depth].expand(1, k), n + slots, mask, n + C)
 
 
 def tree_inputs(model: Transformer, tree: Tree, start: int) -> StepInputs:
