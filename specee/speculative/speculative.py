@@ -10,7 +10,9 @@ Per request and step, top to bottom:
   3. commit: roll back = the cache keeps x_n and the accepted drafts (a length change; a tree's
      accepted path is moved to consecutive slots of the request's own cache), and the drafter
      consumes the emitted tokens.
-Requests speculate side by side in one batch, each with a drafter of its own (`Drafter.fork`).
+Requests speculate side by side in one batch, each with a drafter of its own (`Drafter.fork`); the
+step's chains, or trees, are drafted together before step 1 (`begin_step`: a drafter that runs a
+model, or the EAGLE head, batches its forwards across the requests).
 Greedy output equals full-depth greedy; sampled output has the target's distribution.
 """
 from __future__ import annotations
