@@ -5,7 +5,8 @@ multiply through PyTorch's own kernels (`_weight_int4pack_mm[_for_cpu]`, `_weigh
 which take bfloat16 activations (float32 activations are several times slower: see
 benchmarks/bench_kernels.py), except int4 on a CPU where specee's kernels build: its own
 (model/kernels/int4_matmul.cpp: AVX-512 BF16, AVX2 or portable) does the same arithmetic 2-3x
-faster. Every layer has `dequantize()`, the float weight the kernel effectively uses: the
+faster, or llama.cpp's with activations quantized per block of 32 to int8 (kernels.use_activations,
+SPECEE_ACTIVATIONS). Every layer has `dequantize()`, the float weight the kernel effectively uses: the
 reference the tests check the kernels against.
 
 All linears share one small interface (`__call__`, `rows`, `take_rows`, `dequantize`, `tensors`)
@@ -85,9 +86,12 @@ class _KernelLinear:
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _kernel_input(self, x2d: torch.Tensor) -> torch.Tensor:
+        return x2d.to(KERNEL_DTYPE)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self._matmul(x.reshape(-1, self.in_features).to(KERNEL_DTYPE)).view(*shape[:-1], self.out_features)
+        y = self._matmul(self._kernel_input(x.reshape(-1, self.in_features))).view(*shape[:-1], self.out_features)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -191,6 +195,13 @@ class Int4Linear(_KernelLinear):
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = INT4_GROUP,
                    keep_rows: bool = False) -> "Int4Linear":
         return cls(*int4_codes_from_float(weight, group), group, bias, keep_rows)
+
+    def _kernel_input(self, x2d: torch.Tensor) -> torch.Tensor:
+        """specee's kernel rounds float32 itself (to bf16, or per block to int8 from float32, as the
+        C++ layer passes it): the same numbers from either layer."""
+        if self.kernel is None or x2d.dtype not in (torch.float32, torch.bfloat16):
+            return super()._kernel_input(x2d)
+        return x2d
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:

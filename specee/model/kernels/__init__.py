@@ -7,6 +7,9 @@
   (which spends more time widening weights than reading them), with AVX-512 BF16 dot products,
   AVX2 FMA or plain loops: the best the CPU runs, or lower with SPECEE_CPU_LEVEL=avx2|portable
   (how the AVX2 path is tested on an AVX-512 machine). The portable path says so on stderr.
+- `int4_q8.cpp`: the same products with the activations quantized per block of 32 to int8 and
+  integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, AVX2 or plain loops), chosen for
+  every int4 product by SPECEE_ACTIVATIONS=int8 or `use_activations("int8")` (default: DEFAULT_ACTIVATIONS).
 
 Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s), once per
 content of these sources (build.py: checkouts with identical sources share one build). Without a
@@ -32,6 +35,9 @@ PREFIX = "specee_cpu_kernels"  # the build's name is this plus a hash of the sou
 CFLAGS = ["-O3", "-fopenmp"] if torch.backends.openmp.is_available() else ["-O3"]
 LEVELS = ("portable", "avx2", "avx512")  # int4_matmul.cpp's paths, by their index there
 LEVEL_ENV = "SPECEE_CPU_LEVEL"
+ACTIVATIONS = ("bf16", "int8")  # what the int4 kernel rounds activations to, by its index there
+ACTIVATIONS_ENV = "SPECEE_ACTIVATIONS"
+DEFAULT_ACTIVATIONS = "bf16"
 
 
 def sources(folder: Path = HERE) -> list[Path]:
@@ -47,10 +53,12 @@ def cpu_kernels() -> ModuleType | None:
 
 
 def int4_kernel() -> ModuleType | None:
-    """The module whose `int4_mm` serves int4 linears (at the level `use_level` set), or None."""
+    """The module whose `int4_mm` serves int4 linears (at the level `use_level` and the activations
+    `use_activations` set), or None."""
     kernels = cpu_kernels()
     if kernels is not None:
         _level_from_env()
+        _activations_from_env()
     return kernels
 
 
@@ -66,6 +74,27 @@ def use_level(name: str) -> str:
     return before
 
 
+def use_activations(name: str) -> str:
+    """Round the int4 products' activations to `name` (one of ACTIVATIONS) from now on, in every
+    int4 linear of the process; returns the setting before."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"int4 activations {name!r}: choose one of {', '.join(ACTIVATIONS)}")
+    _activations_from_env()  # first, so that it does not undo this choice later
+    kernels = _build()
+    before = ACTIVATIONS[kernels.int4_activations()]
+    kernels.int4_set_activations(ACTIVATIONS.index(name))
+    return before
+
+
+@functools.cache
+def _activations_from_env() -> None:
+    """Apply SPECEE_ACTIVATIONS (or the default) once."""
+    wanted = os.environ.get(ACTIVATIONS_ENV, "") or DEFAULT_ACTIVATIONS
+    if wanted not in ACTIVATIONS:
+        raise ValueError(f"{ACTIVATIONS_ENV}={wanted!r}: choose one of {', '.join(ACTIVATIONS)}")
+    _build().int4_set_activations(ACTIVATIONS.index(wanted))
+
+
 @functools.cache
 def _level_from_env() -> None:
     """Apply SPECEE_CPU_LEVEL once (a level the CPU lacks is refused); note the portable path,
@@ -76,7 +105,7 @@ def _level_from_env() -> None:
     if wanted:
         use_level(wanted)
     if LEVELS[_build().int4_level()] == "portable":
-        why = f"{LEVEL_ENV}=portable" if wanted else "this CPU has neither AVX-512 BF16 nor AVX2 with FMA"
+        why = f"{LEVEL_ENV}=portable" if wanted else "this CPU has neither AVX-512 (BF16, VNNI) nor AVX2 with FMA"
         print(f"specee: note: int4 products run the portable C++ path ({why}): several times slower than "
               "the AVX2 and AVX-512 ones", file=sys.stderr)
 

@@ -212,5 +212,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_best_level", &int4_best_level);
   m.def("int4_level", &int4_level);
   m.def("int4_set_level", &int4_set_level);
+  m.def("int4_activations", &int4_activations);
+  m.def("int4_set_activations", &int4_set_activations);
   m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -11,42 +11,31 @@
 //   portable the avx2 path's sums in plain loops (multiply, then add).
 // The paths differ only in float32 summation order. A weight tile is unpacked once for up to 4
 // rows, so a verification pass's extra rows cost their products, not another pass of unpacking.
-// The output is float32 (PyTorch's kernel rounds it to bf16).
-//
-// Layout (model/quant.py packs it): 64 outputs at a time, 4 tiles of 16; for every 4 inputs c the
-// 4 tiles' 32 bytes each: byte 2 lane + e holds input 4 c + e of output 16 t + lane in its low
-// nibble and input 4 c + 2 + e in its high nibble. Scales: bf16 [N/64][G][s, z][64].
+// The output is float32 (PyTorch's kernel rounds it to bf16). int4_set_activations(1) sends every
+// product to the int8-activation kernel instead (int4_q8.cpp); the layout: int4_common.h.
 #include "int4_matmul.h"
 
 #include <ATen/Parallel.h>
-#if defined(__x86_64__)
-#define SPECEE_X86 1  // the vector paths; elsewhere only the portable one is built
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <vector>
+
+#include "int4_common.h"
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-enum Level : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+using namespace specee_int4;
 std::atomic<int64_t> g_level{-1};  // -1: the best this CPU runs, read on first use
+std::atomic<int64_t> g_activations{0};  // 0 bf16, 1 int8
 
 #ifdef SPECEE_X86
-#define SPECEE_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-
-SPECEE_BF16 inline __m512 bf16_to_float(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 // R rows (1 to 4) x one block of 64 outputs. xp: the rows' bf16 activations as pairs [R][K/2];
 // xs: their sums per group [R][G]; y: row r's outputs at y + r N.
 template <int R>
-SPECEE_BF16 void block_avx512(const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xs, int64_t K,
-                       float* y, int64_t N) {
+SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xs, int64_t K,
+                                     float* y, int64_t N) {
   constexpr int T = 4;
   const int64_t G = K / kGroup;
   __m512 out[R][T];
@@ -77,8 +66,8 @@ SPECEE_BF16 void block_avx512(const uint8_t* w, const uint16_t* sz, const uint32
     }
     const uint16_t* szg = sz + g * 128;
     for (int t = 0; t < T; ++t) {
-      const __m512 s = bf16_to_float(szg + t * 16);
-      const __m512 z136 = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, bf16_to_float(szg + 64 + t * 16));
+      const __m512 s = bf16x16_to_float(szg + t * 16);
+      const __m512 z136 = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, bf16x16_to_float(szg + 64 + t * 16));
       for (int r = 0; r < R; ++r) {
         out[r][t] = _mm512_fmadd_ps(acc[r][t], s, out[r][t]);
         out[r][t] = _mm512_fmadd_ps(z136, _mm512_set1_ps(xs[r * G + g]), out[r][t]);
@@ -89,16 +78,10 @@ SPECEE_BF16 void block_avx512(const uint8_t* w, const uint16_t* sz, const uint32
     for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + r * N + 16 * t, out[r][t]);
 }
 
-#define SPECEE_AVX2 __attribute__((target("avx2,fma")))
-
-SPECEE_AVX2 inline __m256 bf16x8_to_float(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
 // 8 outputs x inputs k..k+3 for R rows: the 16 bytes at p as 8 uint32 (byte 2 lane + e at bits
 // 8 e) hold input k + 0..3 as (v >> 0, 8, 4, 12) & 15.
 template <int R>
-SPECEE_AVX2 __attribute__((always_inline)) inline void half_avx2(const uint8_t* p, const float* x, int64_t K,
+SPECEE_INT4_AVX2 __attribute__((always_inline)) inline void half_avx2(const uint8_t* p, const float* x, int64_t K,
                                                                  __m256 (&acc)[R]) {
   const __m256i nibble = _mm256_set1_epi32(0xF);
   const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -116,7 +99,7 @@ SPECEE_AVX2 __attribute__((always_inline)) inline void half_avx2(const uint8_t* 
 
 // One half's group sums into row r's outputs: out += acc s + (z - 8 s) sum_k x_k.
 template <int R>
-SPECEE_AVX2 __attribute__((always_inline)) inline void finish_avx2(const uint16_t* szh, const float* xs, int64_t G,
+SPECEE_INT4_AVX2 __attribute__((always_inline)) inline void finish_avx2(const uint16_t* szh, const float* xs, int64_t G,
                                                                    const __m256 (&acc)[R], float* y, int64_t N) {
   const __m256 s = bf16x8_to_float(szh);
   const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_to_float(szh + 64));
@@ -131,7 +114,7 @@ SPECEE_AVX2 __attribute__((always_inline)) inline void finish_avx2(const uint16_
 // J such halves side by side, so that few rows still give several independent chains of FMAs
 // (one chain waits on each FMA's latency: a single row ran at a third of the speed).
 template <int R, int J = (R <= 2 ? 4 : 1)>
-SPECEE_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const float* xf, const float* xs, int64_t K,
+SPECEE_INT4_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const float* xf, const float* xs, int64_t K,
                             float* y, int64_t N) {
   const int64_t G = K / kGroup;
   for (int64_t g = 0; g < G; ++g) {
@@ -147,13 +130,6 @@ SPECEE_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const float* x
   }
 }
 #endif  // SPECEE_X86
-
-float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // block_avx2's arithmetic in plain C++ (any CPU): per output, the same sums with a multiply and an add.
 template <int R>
@@ -205,7 +181,8 @@ constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr, rows_at<1>, rows
 
 int64_t best_level() {
 #ifdef SPECEE_X86
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"))
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16") &&
+      __builtin_cpu_supports("avx512vnni"))
     return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
@@ -227,6 +204,13 @@ void int4_set_level(int64_t level) {
   g_level.store(level);
 }
 
+int64_t int4_activations() { return g_activations.load(); }
+
+void int4_set_activations(int64_t mode) {
+  TORCH_CHECK(mode == 0 || mode == 1, "int4 activations: 0 (bf16) or 1 (int8), not ", mode);
+  g_activations.store(mode);
+}
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
@@ -234,6 +218,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               packed.dim() == 4 && packed.size(1) == K / 4 && scales.size(0) == blocks && scales.size(1) == G,
               "int4_mm: float32 or bf16 activations and a weight packed for their shape");
   const int64_t level = int4_level();
+  if (g_activations.load() == 1) return int4_mm_q8(xc, packed, scales, level);
   // the activations rounded to bf16 (as `x.to(torch.bfloat16)` rounds) and their sums per group, in
   // plain loops: in a decode step this runs for every product, where ATen calls cost more than the work
   std::vector<c10::BFloat16> xb(M * K);

@@ -1,8 +1,11 @@
-// int4 weights x bfloat16 activations, AVX-512 BF16 / AVX2 / portable paths (int4_matmul.cpp).
+// int4 weights x activations rounded to bf16 (int4_matmul.cpp) or quantized per block of 32 to int8
+// (int4_q8.cpp, llama.cpp's Q4_1 x Q8_1 arithmetic); AVX-512 / AVX2 / portable paths.
 #pragma once
 #include <torch/extension.h>
 
-int64_t int4_best_level();  // 0 portable, 1 avx2 (+FMA), 2 avx512 (F, BW, BF16): what this CPU runs
+int64_t int4_best_level();  // 0 portable, 1 avx2 (+FMA), 2 avx512 (F, BW, BF16, VNNI): what this CPU runs
 int64_t int4_level();       // the level int4_mm runs (the best unless set lower)
 void int4_set_level(int64_t level);
+int64_t int4_activations();  // 0: bf16 (the default), 1: int8
+void int4_set_activations(int64_t mode);
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);

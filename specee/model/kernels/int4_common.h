@@ -1,0 +1,48 @@
+// What the two int4 kernels share (int4_matmul.cpp: bf16 activations; int4_q8.cpp: int8
+// activations): the weight layout's group, the dispatch levels, the instruction sets each level is
+// compiled for, and reading the bf16 scales.
+//
+// Layout (model/quant.py packs it): 64 outputs at a time, 4 tiles of 16; for every 4 inputs c the
+// 4 tiles' 32 bytes each: byte 2 lane + e holds input 4 c + e of output 16 t + lane in its low
+// nibble and input 4 c + 2 + e in its high nibble. Scales: bf16 [N/64][G][s, z][64]; a weight is
+// W = (q - 8) s + z.
+#pragma once
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#define SPECEE_X86 1  // the vector paths; elsewhere only the portable one is built
+#include <immintrin.h>
+// The avx512 level needs both: every CPU with AVX-512 BF16 so far has VNNI too.
+#define SPECEE_INT4_AVX512 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vnni")))
+#define SPECEE_INT4_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace specee_int4 {
+
+constexpr int64_t kGroup = 32;  // inputs per weight group (and per int8 activation block)
+enum Level : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+#ifdef SPECEE_X86
+SPECEE_INT4_AVX512 inline __m512 bf16x16_to_float(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+SPECEE_INT4_AVX2 inline __m256 bf16x8_to_float(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
+// int8 activations (int4_q8.cpp): x [M, K] float32 or bf16 times the packed weight, float32 [M, N].
+at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t level);
+
+}  // namespace specee_int4

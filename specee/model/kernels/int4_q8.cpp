@@ -1,0 +1,236 @@
+// int4 weights times int8 activations: llama.cpp's arithmetic for Q4_1 x Q8_1, on specee's weight
+// layout (int4_common.h). Each row's activations are quantized per block of 32 inputs (the weight
+// groups): d = max|x| / 127, x_q = round(x / d) to nearest even (x times the float32 1/d, as
+// llama.cpp), and their sum. Per group and output the dot product of the nibbles q (0..15) with x_q
+// is an exact int32 (at most 32 x 15 x 127), and
+//     y += (s d) acc + (z - 8 s) (d sum_k x_q,k)        (float32)
+// since W = (q - 8) s + z. Why: integer dot products are 64 multiply-adds per `vpdpbusd` against
+// 32 per `vdpbf16ps`, so a verification pass's extra rows cost little next to reading the weights.
+// Paths (the level int4_matmul.cpp dispatches on): avx512 `vpdpbusd` (u8 x s8); avx2 `vpmaddubsw`
+// (pairs, exact in int16 for a whole group: at most 16 x 15 x 127) then `vpmaddwd`; portable int32
+// loops. The int32 sums are the same at every level; the float32 combination differs only by FMA
+// against multiply-then-add. Up to 8 rows share each tile's unpacking; a row's operations are the
+// same whatever rows share the call.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "int4_common.h"
+
+namespace specee_int4 {
+namespace {
+
+// Quantized activations of some rows: q [R][K] int8 (read 4 at a time as int32), and per row and
+// group d and d times the group's sum of q.
+struct Q8 {
+  const int8_t* q;
+  const float* d;
+  const float* ds;
+  int32_t q4(int64_t K, int r, int64_t i) const {  // inputs 4 i .. 4 i + 3 of row r
+    int32_t v;
+    std::memcpy(&v, q + r * K + 4 * i, 4);
+    return v;
+  }
+};
+
+float round_even(float v) {
+#ifdef SPECEE_X86
+  return static_cast<float>(_mm_cvtss_si32(_mm_set_ss(v)));  // the MXCSR's rounding: nearest even
+#else
+  return std::nearbyint(v);
+#endif
+}
+
+// Row by row, block by block: the same scalar operations at every level (what the tests rebuild).
+void quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* ds) {
+  const int64_t G = K / kGroup;
+  for (int64_t i = 0; i < M * G; ++i) {
+    const float* xb = x + i * kGroup;
+    float amax = 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float step = amax / 127.f, inv = step != 0.f ? 1.f / step : 0.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const int32_t v = static_cast<int32_t>(round_even(xb[k] * inv));
+      q[i * kGroup + k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[i] = step;
+    ds[i] = step * static_cast<float>(sum);
+  }
+}
+
+#ifdef SPECEE_X86
+// The 4-input groups of 16 outputs at p (32 bytes: byte 2 lane + e holds inputs e, 2 + e) as one
+// int32 per output, bytes = inputs 0..3: (v | v << 12) & 0x0F0F0F0F on the widened byte pairs.
+SPECEE_INT4_AVX512 inline __m512i unpack16(const uint8_t* p) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);  // (A | B) & C
+}
+
+// Where a group's unpacked weights come from: the packed weights, those while keeping a copy, the copy.
+enum Source { kUnpack, kUnpackKeep, kKept };
+
+// R rows (1 to 4) x group g of one 64-output block, added into y (row r's block at y + r N).
+template <int R, Source S>
+SPECEE_INT4_AVX512 __attribute__((always_inline)) inline void group_avx512(const uint8_t* w, const uint16_t* sz,
+                                                                           const Q8& x, int64_t K, int64_t g,
+                                                                           __m512i (&kept)[kGroup / 4][4], float* y,
+                                                                           int64_t N) {
+  const int64_t G = K / kGroup;
+  __m512i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8  // else GCC copies every accumulator around each destructive vpdpbusd
+  for (int c = 0; c < kGroup / 4; ++c) {
+    for (int t = 0; t < 4; ++t) {
+      const __m512i u = S == kKept ? kept[c][t] : unpack16(w + (g * (kGroup / 4) + c) * 128 + t * 32);
+      if (S == kUnpackKeep) kept[c][t] = u;
+      for (int r = 0; r < R; ++r)
+        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], u, _mm512_set1_epi32(x.q4(K, r, g * (kGroup / 4) + c)));
+    }
+  }
+  const uint16_t* szg = sz + g * 128;
+  for (int t = 0; t < 4; ++t) {
+    const __m512 s = bf16x16_to_float(szg + t * 16);
+    const __m512 z8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_float(szg + 64 + t * 16));
+    for (int r = 0; r < R; ++r) {
+      float* o = y + r * N + 16 * t;
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(x.d[r * G + g]));
+      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), sd, _mm512_loadu_ps(o));
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(z8, _mm512_set1_ps(x.ds[r * G + g]), v));
+    }
+  }
+}
+
+// Group by group, so the weights stream once; 4 tiles x 4 rows of int32 accumulators (and the rows'
+// broadcasts) fill the registers, so rows past four reuse the group's unpacked copy. y zeroed.
+template <int R>
+SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
+  __m512i kept[kGroup / 4][4];
+  const Q8 rest{x.q + 4 * K, x.d + 4 * (K / kGroup), x.ds + 4 * (K / kGroup)};
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    if constexpr (R <= 4) {
+      group_avx512<R, kUnpack>(w, sz, x, K, g, kept, y, N);
+    } else {
+      group_avx512<4, kUnpackKeep>(w, sz, x, K, g, kept, y, N);
+      group_avx512<R - 4, kKept>(w, sz, rest, K, g, kept, y + 4 * N, N);
+    }
+  }
+}
+
+// Eight outputs (half a tile, 16 bytes) as block_avx512's unpack16.
+SPECEE_INT4_AVX2 inline __m256i unpack8(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0F0F0F0F));
+}
+
+// As block_avx512, eight outputs at a time, J such halves side by side (independent chains for few
+// rows); y zeroed, each group added into it.
+template <int R, int J = (R <= 2 ? 4 : R <= 4 ? 2 : 1)>
+SPECEE_INT4_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
+  const int64_t G = K / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int j0 = 0; j0 < 8; j0 += J) {
+      __m256i acc[J][R];  // int16 pair sums
+      for (int j = 0; j < J; ++j)
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int c = 0; c < kGroup / 4; ++c) {
+        const uint8_t* wc = w + (g * (kGroup / 4) + c) * 128 + j0 * 16;
+        for (int j = 0; j < J; ++j) {
+          const __m256i u = unpack8(wc + j * 16);
+          for (int r = 0; r < R; ++r)
+            acc[j][r] = _mm256_add_epi16(
+                acc[j][r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(x.q4(K, r, g * (kGroup / 4) + c))));
+        }
+      }
+      for (int j = 0; j < J; ++j) {
+        const uint16_t* szh = sz + g * 128 + (j0 + j) * 8;
+        const __m256 s = bf16x8_to_float(szh);
+        const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_to_float(szh + 64));
+        for (int r = 0; r < R; ++r) {
+          float* o = y + r * N + (j0 + j) * 8;
+          const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.d[r * G + g]));
+          const __m256 a = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[j][r], ones));
+          const __m256 v = _mm256_fmadd_ps(a, sd, _mm256_loadu_ps(o));
+          _mm256_storeu_ps(o, _mm256_fmadd_ps(z8, _mm256_set1_ps(x.ds[r * G + g]), v));
+        }
+      }
+    }
+  }
+}
+#endif  // SPECEE_X86
+
+// The same int32 sums in plain loops (any CPU); multiply, then add; y zeroed.
+template <int R>
+void block_portable(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
+  const int64_t G = K / kGroup;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* szg = sz + g * 128;
+    for (int t = 0; t < 4; ++t) {
+      int32_t acc[R][16] = {};
+      for (int c = 0; c < kGroup / 4; ++c) {
+        const uint8_t* wc = w + (g * (kGroup / 4) + c) * 128 + t * 32;
+        int32_t q[16][4];  // unpacked once for all rows: byte 2 lane + e -> inputs e and 2 + e
+        for (int lane = 0; lane < 16; ++lane)
+          for (int e = 0; e < 2; ++e) q[lane][e] = wc[2 * lane + e] & 15, q[lane][2 + e] = wc[2 * lane + e] >> 4;
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + r * K + g * kGroup + c * 4;
+          for (int lane = 0; lane < 16; ++lane)
+            acc[r][lane] += q[lane][0] * xq[0] + q[lane][1] * xq[1] + q[lane][2] * xq[2] + q[lane][3] * xq[3];
+        }
+      }
+      for (int lane = 0; lane < 16; ++lane) {
+        const float s = bf16_to_float(szg[t * 16 + lane]), z8 = bf16_to_float(szg[64 + t * 16 + lane]) - 8.f * s;
+        for (int r = 0; r < R; ++r) {
+          float& out = y[r * N + t * 16 + lane];
+          const float sd = s * x.d[r * G + g];
+          out += static_cast<float>(acc[r][lane]) * sd;
+          out += z8 * x.ds[r * G + g];
+        }
+      }
+    }
+  }
+}
+
+template <int R>
+void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
+#ifdef SPECEE_X86
+  if (level == kAvx512) return block_avx512<R>(w, sz, x, K, y, N);
+  if (level == kAvx2) return block_avx2<R>(w, sz, x, K, y, N);
+#endif
+  block_portable<R>(w, sz, x, K, y, N);
+}
+
+constexpr int kMaxRows = 8;  // a verification pass's rows share each tile's unpacking
+constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr,     rows_at<1>, rows_at<2>, rows_at<3>, rows_at<4>,
+                                                       rows_at<5>, rows_at<6>, rows_at<7>, rows_at<8>};
+
+}  // namespace
+
+at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t level) {
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // bf16 widens exactly
+  const int64_t M = xf.size(0), K = xf.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * G), ds(M * G);
+  quantize(xf.data_ptr<float>(), M, K, q.data(), d.data(), ds.data());
+  at::Tensor y = at::zeros({M, N}, at::kFloat);  // every path adds each group into it
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < M; r += kMaxRows) {
+        const Q8 rows{q.data() + r * K, d.data() + r * G, ds.data() + r * G};
+        kRows[std::min<int64_t>(kMaxRows, M - r)](level, w + b * (K / 4) * 128, sz + b * G * 128, rows, K,
+                                                  out + r * N + b * 64, N);
+      }
+  });
+  return y;
+}
+
+}  // namespace specee_int4
