@@ -7,7 +7,8 @@ bf16 on the way (AVX512-BF16 dot products) and return bf16. So y is compared wit
 to bf16, as the kernel sees it) times the float32 dequantized weight, per output within
 2^-7 * sum_k |x_k W_nk| (a few bf16 roundings of every term, whatever the cancellation) plus
 2^-8 |y| (the output's rounding). specee's own int4 kernel (model/kernels/int4_matmul.cpp, at
-each level this CPU runs: AVX-512 BF16, AVX2, portable) multiplies the same bf16 x by the exact
+each level this CPU runs: AVX-512 BF16, AVX2, portable), run here with bf16 activations (its int8
+ones, the default: tests/test_quant_int8.py), multiplies the same bf16 x by the exact
 weights in float32 and returns float32: it is held to float32 error, 2^-10 * sum_k |x_k| s_nk
 (its per-group sums carry at most 136 s per weight, exact products, float32 additions).
 """
@@ -31,6 +32,18 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 CPU = torch.device("cpu")
 
 
+@pytest.fixture
+def bf16_activations():
+    """The int4 kernel's bf16-activation arithmetic, which these bounds describe (int8 activations,
+    the default: tests/test_quant_int8.py)."""
+    if int4_kernel() is None:
+        yield
+        return
+    before = kernels.use_activations("bf16")
+    yield
+    kernels.use_activations(before)
+
+
 def assert_kernel_matches(lin, x: torch.Tensor) -> None:
     xb, W = x.to(torch.bfloat16).float(), lin.dequantize()
     ref = xb @ W.t()
@@ -48,6 +61,7 @@ def assert_kernel_matches(lin, x: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("mode,out", [("int4", 96), ("int4", 128), ("int8", 96)])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.usefixtures("bf16_activations")
 def test_quantized_linear_matches_its_dequantized_weight(mode, out, bias):
     """int4 with 96 outputs runs PyTorch's kernel; with 128 (a multiple of 64) specee's where its
     kernels build."""
@@ -102,7 +116,7 @@ def level(request):
 
 
 @torch.inference_mode()
-def test_the_int4_kernel_on_a_large_product_and_1_to_8_rows(level, monkeypatch):
+def test_the_int4_kernel_on_a_large_product_and_1_to_8_rows(level, bf16_activations, monkeypatch):
     """Several groups and 64-output blocks, every row count 1-8 (blocks of four and what is left),
     an outlier input, zeros; each row's output is the same bit for bit whatever rows share its call
     (what keeps speculative verification equal to one-token decoding); and SPECEE_CPU_KERNELS=0 puts

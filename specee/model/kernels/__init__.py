@@ -8,8 +8,9 @@
   AVX2 FMA or plain loops: the best the CPU runs, or lower with SPECEE_CPU_LEVEL=avx2|portable
   (how the AVX2 path is tested on an AVX-512 machine). The portable path says so on stderr.
 - `int4_q8.cpp`: the same products with the activations quantized per block of 32 to int8 and
-  integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, AVX2 or plain loops), chosen for
-  every int4 product by SPECEE_ACTIVATIONS=int8 or `use_activations("int8")` (default: DEFAULT_ACTIVATIONS).
+  integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, AVX2 or plain loops): the default
+  (DEFAULT_ACTIVATIONS: as close to float32 as llama.cpp or closer, and faster; BENCHMARKS.md);
+  SPECEE_ACTIVATIONS=bf16 or `use_activations("bf16")` sends every int4 product to the bf16 path.
 
 Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s), once per
 content of these sources (build.py: checkouts with identical sources share one build). Without a
@@ -37,7 +38,7 @@ LEVELS = ("portable", "avx2", "avx512")  # int4_matmul.cpp's paths, by their ind
 LEVEL_ENV = "SPECEE_CPU_LEVEL"
 ACTIVATIONS = ("bf16", "int8")  # what the int4 kernel rounds activations to, by its index there
 ACTIVATIONS_ENV = "SPECEE_ACTIVATIONS"
-DEFAULT_ACTIVATIONS = "bf16"
+DEFAULT_ACTIVATIONS = "int8"  # llama.cpp's agreement with float32 or better, not slower (BENCHMARKS.md)
 
 
 def sources(folder: Path = HERE) -> list[Path]:
