@@ -692,6 +692,17 @@ def test_llama_cpp_peer_refuses_what_it_cannot_run(monkeypatch):
         LlamaCppPeer(Path("model.gguf"), 1, 64)
 
 
+def test_llama_cpp_peer_reports_a_file_it_cannot_load(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional extra specee[llama-cpp])")
+    from specee.bench.common import BenchError
+    from specee.bench.llama_cpp import LlamaCppPeer
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(BenchError, match="llama.cpp could not load .*broken.gguf"):
+        LlamaCppPeer(bad, 1, 64)
+
+
 @pytest.mark.parametrize("lookup", [0, 2], ids=["plain", "prompt-lookup"])
 def test_llama_cpp_peer_decodes_the_same_gguf_greedily(lookup):
     """llama.cpp (plain, and with its own prompt-lookup speculation) runs Q4_1 with int8 activations, not specee's float arithmetic, so greedy tokens may
@@ -709,7 +720,11 @@ def test_llama_cpp_peer_decodes_the_same_gguf_greedily(lookup):
 
     llm = LLM(gguf, progress=False, quantization=None)
     ids = llm.encode("What is the capital of France?", chat=True)
-    run = LlamaCppPeer(gguf, 2, len(ids) + 16, lookup).run(ids, 12)
+    peer = LlamaCppPeer(gguf, 2, len(ids) + 16, lookup)
+    try:
+        run = peer.run(ids, 12)
+    finally:
+        peer.close()
     assert run.tokens == 12 and len(run.token_ids) == 12 and run.decode_tokens == 11
     model, seq = llm.model, ids + run.token_ids
     with torch.inference_mode():

@@ -219,6 +219,8 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
     finally:
         bar.close()
         use_config(llm, None)
+        for peer in llama_peers.values():
+            peer.close()
 
     results: dict[str, dict[str, Any]] = {}
     tokens_by_config: dict[str, list[list[int]]] = {}
