@@ -75,7 +75,8 @@ def vllm_weights(gguf: Path, out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
                                                  quantization_config=GgufConfig(dequantize=True))
     model.hf_quantizer = None  # dense weights now: save them as a plain checkpoint
-    del model.config.quantization_config
+    if hasattr(model.config, "quantization_config"):  # transformers versions differ on keeping it
+        del model.config.quantization_config
     model.save_pretrained(out)
     return out
 
