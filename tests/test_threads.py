@@ -194,3 +194,24 @@ def test_a_thread_that_hands_requests_to_the_engine_leaves_no_idle_pool():
         llm.generate(["Once upon a time"], SamplingParams(max_tokens=2))
         return _os_threads() - start
     assert _in_fresh_thread(pool_left_after_generate) == 0
+
+
+@needs_linux_omp
+@needs_stories
+def test_the_engine_thread_frees_its_openmp_pool_when_idle():
+    """The README's own loop steps `llm.engine` in the caller's thread once the engine thread has
+    nothing in flight: an idle pool left in the engine thread would throttle it the same way."""
+    from specee.engine.threads import release_openmp_pool
+
+    def engine_threads_left():
+        llm = LLM(str(STORIES), threads=2)
+        release_openmp_pool()  # this thread's pool from loading
+        start = _os_threads()
+        llm.generate(["Once upon a time"], SamplingParams(max_tokens=8))  # starts the engine thread; 2 threads
+        deadline = time.monotonic() + 5
+        while _os_threads() - start > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        left = _os_threads() - start
+        llm.worker.stop()
+        return left
+    assert _in_fresh_thread(engine_threads_left) == 1  # the engine thread alone, no helper

@@ -133,7 +133,10 @@ class EngineThread:
     # ---- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping:
-            self._take_commands(block=not (self._running or self._waiting))
+            idle = not (self._running or self._waiting)
+            if idle:  # an idle pool here would throttle whoever decodes next (a user stepping the engine)
+                release_openmp_pool()
+            self._take_commands(block=idle)
             self._admit()
             if self._running:
                 self._step()
