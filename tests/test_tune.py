@@ -126,6 +126,19 @@ def test_a_profile_for_other_conditions_is_ignored_with_the_reason(stories_tuned
 
 
 @needs(STORIES)
+def test_a_profile_measured_with_other_kernels_on_this_cpu_is_ignored(stories_tuned, capsys):
+    """The kernels' build is part of the key: a ranking measured before a kernel change (session 11's
+    threads and int8 activations changed it) must not pick the mode after it."""
+    here = profile.machine("cpu")
+    assert " build " in here and here.endswith(")")
+    older = here.rsplit(" build ", 1)[0] + " build 0000000000000000)"
+    path = write_profile(with_entry(stories_tuned[0], config=NGRAM_2, ratio=1.3, machine=older))
+    record, err = generate(capsys)
+    assert f"ignoring the tuned profile {path}: measured on {older}, and this run has {here}" in err, err
+    assert "speculative" not in record["stats"]
+
+
+@needs(STORIES)
 @pytest.mark.parametrize("text, reason", [("{\"format\": ", "unreadable"), ("[]", "not a specee-tune-profile file"),
                                           (None, "an entry's 'threads' is missing")])
 def test_a_corrupt_profile_is_ignored_with_a_note(stories_tuned, capsys, text, reason):

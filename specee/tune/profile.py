@@ -1,7 +1,7 @@
 """The configuration `specee tune` chose, stored and found again.
 
 One JSON file per model path under $SPECEE_TUNE_DIR (default: the specee cache's `tune/`), holding
-the model's fingerprint and one entry per machine (CPU name and int4 kernel level, or GPU), thread
+the model's fingerprint and one entry per machine (CPU name and the int4 kernels' level, activations and build, or GPU), thread
 count, quantization and dtype: what a speed ranking depends on. `generate`, `chat` and `serve`
 look it up when no mode is given (`lookup`, `apply`); an entry measured under other conditions, a
 changed model file or an unreadable profile is ignored with a one-line reason, so a stale
@@ -42,19 +42,17 @@ def profile_path(model_dir: str | Path) -> Path:
 
 
 def machine(device) -> str:
-    """What the speed ranking was measured on: the CPU's name and the int4 kernel level in force
-    (SPECEE_CPU_LEVEL lowers it), or the GPU's name."""
+    """What the speed ranking was measured on: the CPU's name and the int4 kernels in force (their
+    level, which SPECEE_CPU_LEVEL lowers, their activations and their build), or the GPU's name."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA)"
     from ..bench.report import cpu_name
-    from ..model.kernels import LEVELS, int4_kernel
+    from ..model.kernels import describe
 
-    kernels = int4_kernel()
-    level = "no C++ kernels" if kernels is None else f"{LEVELS[kernels.int4_level()]} kernels"
-    return f"{cpu_name()} ({level})"
+    return f"{cpu_name()} ({describe()})"
 
 
 def key_of(llm) -> dict[str, Any]:

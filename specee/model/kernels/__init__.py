@@ -46,6 +46,16 @@ def sources(folder: Path = HERE) -> list[Path]:
     return sorted(folder.glob("*.cpp")) + sorted(folder.glob("*.h"))
 
 
+def describe() -> str:
+    """What the int4 products run as, for a speed measurement's key: the level, the activations and
+    the build (a hash of the sources and flags, so a measurement of older kernels does not apply)."""
+    kernels = int4_kernel()
+    if kernels is None:
+        return "no C++ kernels"
+    return (f"{LEVELS[kernels.int4_level()]} kernels, {ACTIVATIONS[kernels.int4_activations()]} activations, "
+            f"build {build.build_name(PREFIX, sources(), CFLAGS).rsplit('_', 1)[1]}")
+
+
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`DecodeLayer`, `int4_mm`), or None where it cannot be used here."""
     if os.environ.get("SPECEE_CPU_KERNELS", "1") == "0":
