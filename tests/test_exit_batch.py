@@ -207,3 +207,26 @@ def test_lossy_output_depends_only_on_the_request_not_on_earlier_traffic(deep_ll
     together = [Sequence(p, list(p), params, deep_llm.tokenizer, deep_llm.eos_ids) for p in ids]
     dec.generate(together)
     assert together[0].output_ids == first.output_ids
+
+
+def test_the_checks_after_a_layer_share_their_host_reads(monkeypatch):
+    """Each request's exit check yields the device values it needs; the runner reads those of every
+    request checked after the same layer at once (one read per round, not one per request), and
+    hands each check its own values."""
+    import torch
+
+    from specee.engine.runner import run_checks
+
+    def check(x: int, confirms: bool):
+        first = yield torch.tensor([x, x + 1])
+        if not confirms:
+            return first == [x, x + 1] and x > 0
+        second = yield torch.tensor([10 * x])
+        return first == [x, x + 1] and second == [10 * x]
+
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.numel()) or real(self))
+    assert run_checks({0: check(1, True), 2: check(0, False), 5: check(3, True), 7: check(4, False)}) == \
+        {0: True, 2: False, 5: True, 7: True}
+    assert reads == [8, 2]  # two rounds: four checks' first values, then the two that confirm

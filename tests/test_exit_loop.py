@@ -48,12 +48,13 @@ def test_exit_decision_is_one_host_read_per_checked_layer(tiny):
     assert sum(reads.values()) == s["predictor_calls"] + fired + s["exit_histogram"][-1]
 
 
-def test_a_batch_reads_the_device_once_per_check_and_once_per_step(tiny):
-    """Three requests (one finishing early) in one engine: each request's predictor checks read the
-    device as they do alone (one per call, one more when it settles), and all the requests that ran
-    every layer in a step share that step's one read."""
+def test_a_batch_reads_the_device_once_per_checked_layer_and_once_per_step(tiny, monkeypatch):
+    """Three requests (one finishing early) in one engine: the predictor checks of all requests
+    after the same layer share one read (and the confirmations of the passes they settle one
+    more), and all the requests that ran every layer in a step share that step's one read."""
     from specee.engine.engine import Engine
     from specee.engine.sequence import Sequence
+    from specee.exit.controller import ExitController
 
     L = tiny.model.cfg.num_layers
     texts = ("Once upon a time", "The cat", "In a small village by the sea")
@@ -69,16 +70,30 @@ def test_a_batch_reads_the_device_once_per_check_and_once_per_step(tiny):
     deep = []  # per step: whether some request ran every layer
     real = dec.choose
     dec.choose = lambda r, logits: deep.__setitem__(-1, deep[-1] or r.state.step.hit is None) or real(r, logits)
+    rounds = []  # (step, layer, round) of every value a check asked for
+    check = ExitController.check
+
+    def recorded(self, layer, h_in, h):
+        inner, values, k = check(self, layer, h_in, h), None, 0
+        try:
+            while True:
+                wanted = inner.send(values)
+                rounds.append((len(deep), layer, k))
+                k += 1
+                values = yield wanted
+        except StopIteration as done:
+            return done.value
+    monkeypatch.setattr(ExitController, "check", recorded)
     with count_host_reads() as reads:
         while engine.has_unfinished():
             deep.append(False)
             engine.step()
-    deep_steps = sum(deep)
     stats = [s.stats.early_exit for s in seqs]
     assert sum(e["exits_accepted"] for e in stats) > 0 and sum(e["exits_rejected"] for e in stats) > 0
-    checks = sum(e["predictor_calls"] + e["exits_accepted"] + e["exits_rejected"] for e in stats)
-    assert deep_steps < sum(e["exit_histogram"][-1] for e in stats)  # the batch shared reads
-    assert sum(reads.values()) == checks + deep_steps
+    assert len(rounds) == sum(e["predictor_calls"] + e["exits_accepted"] + e["exits_rejected"] for e in stats)
+    assert sum(deep) < sum(e["exit_histogram"][-1] for e in stats)  # full-depth requests shared reads
+    assert len(set(rounds)) < len(rounds)  # checks after the same layer met
+    assert sum(reads.values()) == len(set(rounds)) + sum(deep)
 
 
 def test_rollback_forgets_the_discarded_tokens_exit_layers(tiny):

@@ -123,3 +123,23 @@ def test_asyncio_consumers_share_one_queue(llm, answers):
         return texts
 
     assert asyncio.run(main()) == answers[:4]
+
+
+def test_a_batch_reaches_the_engine_together(llm, monkeypatch):
+    """`generate`'s prompts are admitted by one step, whatever the threads' timing: here each
+    submission is slowed (as on a loaded machine), which let the engine thread step with only
+    the first request when they were submitted one by one."""
+    import time
+
+    import specee.engine.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "release_openmp_pool", lambda: time.sleep(0.02))
+    engine = llm.engine
+    real, sizes = engine.step, []
+
+    def step():
+        sizes.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        return real()
+    monkeypatch.setattr(engine, "step", step)
+    llm.generate(PROMPTS[:4], SamplingParams(max_tokens=4))
+    assert sizes[0] == 4, sizes

@@ -20,7 +20,7 @@ its output depends only on the request and the model, whatever it is batched wit
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -103,10 +103,11 @@ class ExitPass:
             step = self.state.kv.layer_inputs(i, step, self.n)
         return h, step
 
-    def after_layer(self, i: int, h_in: torch.Tensor, h: torch.Tensor) -> bool:
-        """Whether the request's token leaves after layer i (the exit controller decides)."""
+    def after_layer(self, i: int, h_in: torch.Tensor, h: torch.Tensor) -> Generator[torch.Tensor, list[int], bool]:
+        """Whether the request's token leaves after layer i: the exit controller decides, with the
+        device reads it yields (the runner serves every request's at once)."""
         st, R = self.state, self.R
-        hit = st.exit.try_exit(i, h_in[0, -R:], h[0, -R:])
+        hit = yield from st.exit.check(i, h_in[0, -R:], h[0, -R:])
         st.scheduler.observe(i, hit is not None)
         if hit is None:
             return False

@@ -298,7 +298,7 @@ class LLM:
         self.calibrate()
         seqs = self._sequences(prompts, sampling_params, chat)
         worker = self.worker
-        handles = [worker.submit(s) for s in seqs]
+        handles = worker.submit_all(seqs)
         try:
             outputs = [h.result() for h in handles]
         except BaseException:  # interrupted: the requests stop too

@@ -11,10 +11,11 @@ A segment may carry early exit's hooks (`LayerHooks`, engine/early_exit.py): car
 join it at the layers they resume from, a mask per layer (the skip policy's holes), and a check
 after some layers, where the segment may leave the forward (its request's token exited). The other
 segments run on; only a layer where some segment joins, changes its mask or leaves rebuilds the
-batch's inputs.
+batch's inputs. The checks after a layer read the host together: one read per round for all requests.
 """
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,7 +32,8 @@ class LayerHooks(Protocol):
 
     def before_layer(self, i: int, h: torch.Tensor, step: StepInputs) -> tuple[torch.Tensor, StepInputs]: ...
 
-    def after_layer(self, i: int, h_in: torch.Tensor, h: torch.Tensor) -> bool: ...
+    def after_layer(self, i: int, h_in: torch.Tensor, h: torch.Tensor) -> Generator[torch.Tensor, list[int], bool]:
+        """Whether the segment leaves after layer i; yields the device tensors it needs read (`run_checks`)."""
 
 
 @dataclass
@@ -52,6 +54,31 @@ def ragged_inputs(segments: list[Segment], steps: list[StepInputs], rows: list[i
         sin=torch.cat([s.sin for s in steps], dim=1) if len(steps) > 1 else steps[0].sin,
         slots=torch.cat([s.slots for s in steps]) if len(steps) > 1 else steps[0].slots,
         rows=rows, caches=[s.cache for s in segments], steps=steps)
+
+
+def run_checks(checks: dict[int, Generator[torch.Tensor, list[int], bool]]) -> dict[int, bool]:
+    """Run the exit checks of one layer side by side: each round, every check still deciding hands
+    a device tensor, and one host read serves them all (two rounds at most: the predictors, then the
+    LM head of the passes they settle), where each request alone would read once or twice itself."""
+    results: dict[int, bool] = {}
+    wants: dict[int, torch.Tensor] = {}
+
+    def advance(j: int, values: list[int] | None) -> None:
+        try:
+            wants[j] = checks[j].send(values)
+        except StopIteration as done:
+            results[j] = done.value
+    for j in checks:
+        advance(j, None)
+    while wants:
+        asked = list(wants.items())
+        wants.clear()
+        values = torch.cat([t.view(-1) for _, t in asked]).tolist()  # the round's one host read
+        at = 0
+        for j, t in asked:
+            advance(j, values[at : at + t.numel()])
+            at += t.numel()
+    return results
 
 
 class ModelRunner:
@@ -111,11 +138,14 @@ class ModelRunner:
             h_in, h = h, model.ragged_layer(i, h, batch)
             exited = False
             if after[i]:
-                first = 0
+                checks, first = {}, 0
                 for j, n in zip(live, batch.rows):
-                    if j in after[i] and segments[j].exits.after_layer(i, h_in[:, first:first + n], h[:, first:first + n]):
-                        left[j] = exited = True
+                    if j in after[i]:
+                        checks[j] = segments[j].exits.after_layer(i, h_in[:, first:first + n], h[:, first:first + n])
                     first += n
+                for j, leaves in run_checks(checks).items():
+                    if leaves:
+                        left[j] = exited = True
             if exited:
                 parts = self._split(h, parts, live)
                 batch = None

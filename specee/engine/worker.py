@@ -108,10 +108,16 @@ class EngineThread:
 
     # ---- any thread ---------------------------------------------------------------------
     def submit(self, seq: Sequence, sink: Callable[[Delta], None] | None = None, tag: object = None) -> RequestHandle:
+        return self.submit_all([seq], sink, [tag])[0]
+
+    def submit_all(self, seqs: list[Sequence], sink: Callable[[Delta], None] | None = None,
+                   tags: list[object] | None = None) -> list[RequestHandle]:
+        """Requests that reach the engine together: the step that admits one admits all that fit (a
+        batch submitted one by one could start its first step with only the first request)."""
         release_openmp_pool()  # this thread's idle OpenMP threads would slow the engine thread's
-        handle = RequestHandle(seq, sink, tag)
-        self._commands.put(("submit", handle))
-        return handle
+        handles = [RequestHandle(seq, sink, tag) for seq, tag in zip(seqs, tags or [None] * len(seqs))]
+        self._commands.put(("submit", handles))
+        return handles
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step; it ends with finish_reason "abort" (unless it ended first)."""
@@ -156,7 +162,7 @@ class EngineThread:
 
     def _do(self, what: str, arg) -> None:
         if what == "submit":
-            self._waiting.append(arg)
+            self._waiting.extend(arg)
         elif what == "abort":
             handle = self._running.get(arg) or next((h for h in self._waiting if h.request_id == arg), None)
             if handle is not None:

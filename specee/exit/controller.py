@@ -10,10 +10,10 @@ the drafter's top-k there (`Drafter.row_candidates`). At a scheduled layer:
   3. the pass settles when every row that can still be accepted (rows 0..a: a row past the
      first disagreement is built on a draft this layer already rejects) has fired, here or at
      an earlier checked layer of this pass (rows settle at different depths, as tokens do).
-     Steps 1-3 end in one device read (settled, a);
+     Steps 1-3 end in one device read (settled, a), shared with every request checked after this layer;
   4. a settled pass pays the full LM head for rows 0..a at this layer (it replaces the final
      one) and exits only if each row's argmax, up to the acceptance the argmaxes give, is one
-     of its speculative tokens: a second read, which also returns the accepted tokens. If not,
+     of its speculative tokens: a second (shared) read, which also returns the accepted tokens. If not,
      the predictors were wrong: every row is unsettled again.
 
 Why the one-token bank serves: a row matters only if every draft before it is accepted, and
@@ -26,7 +26,7 @@ hot loop holds no test hooks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +60,7 @@ class ExitController:
         self.timer = StageTimer(model.device)  # "predictors" and "verification" (the LM head of a settled layer)
 
     def layers(self, scheduler: TwoLevelScheduler) -> list[bool]:
-        """Per layer: whether to ask `try_exit` after it for this pass."""
+        """Per layer: whether to `check` after it for this pass."""
         return scheduler.layers()
 
     def begin_pass(self, candidates: torch.Tensor, draft: torch.Tensor, token_index: int) -> None:
@@ -79,9 +79,11 @@ class ExitController:
         """The predictor of `layer` on the rows' features [R, 3k]: [R] bool."""
         return self.bank.prob(layer, feats) > self.thresholds[layer]
 
-    def try_exit(self, layer: int, h_in: torch.Tensor, h: torch.Tensor) -> ExitHit | None:
+    def check(self, layer: int, h_in: torch.Tensor, h: torch.Tensor) -> Generator[torch.Tensor, list[int], ExitHit | None]:
         """Whether the pass leaves after `layer` (h_in, h: that layer's input and output of the
-        pass's rows, [R, H])."""
+        pass's rows, [R, H]): a generator that yields each device tensor it must read (at most two)
+        and is sent its values; it returns the hit, or None. The runner reads the tensors of every
+        request checked after the same layer in one host read (engine/runner.py, `run_checks`)."""
         t = self.timer.start()
         self.predictor_calls += 1
         feats = exit_features(self.model, h_in, h, self.rows)  # [R, 3k]; the first k: the candidates' logits
@@ -89,8 +91,8 @@ class ExitController:
         best = self.candidates.gather(1, feats[:, : self.candidates.shape[1]].argmax(dim=-1, keepdim=True))
         accepted = accept_chain(self.draft, best.view(-1))[0]
         settled = (fired | (self.needed > accepted)).all()
-        settled, a = torch.stack([settled.long(), accepted]).tolist()  # one read
         self.timer.stop("predictors", t)
+        settled, a = yield torch.stack([settled.long(), accepted])
         if not settled:
             return None
         t = self.timer.start()
@@ -99,8 +101,8 @@ class ExitController:
         verdict = accept_chain(self.draft[:a], choice)  # the argmaxes may accept fewer drafts
         among = (self.candidates[: a + 1] == choice[:, None]).any(dim=-1)
         ok = (among | (self.needed[: a + 1] > verdict[0])).all()
-        ok, accepted, *tokens = torch.cat([ok.long().view(1), verdict]).tolist()  # one read
         self.timer.stop("verification", t)
+        ok, accepted, *tokens = yield torch.cat([ok.long().view(1), verdict])
         if not ok:
             self.rejected += 1
             self.fired_rows.zero_()

@@ -31,8 +31,8 @@ class Job:
         self.outputs: list[RequestOutput | None] = [None] * len(seqs)
         self.last_token_at: list[float | None] = [None] * len(seqs)
         state.inflight += len(seqs)
-        self.handles = [state.worker.submit(s, lambda d: loop.call_soon_threadsafe(self._arrive, d), tag=i)
-                        for i, s in enumerate(seqs)]
+        self.handles = state.worker.submit_all(seqs, lambda d: loop.call_soon_threadsafe(self._arrive, d),
+                                               list(range(len(seqs))))
 
     def _arrive(self, d: Delta) -> None:
         now, i = time.monotonic(), d.tag
