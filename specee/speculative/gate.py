@@ -4,8 +4,8 @@ Extra draft rows are nearly free at batch 1 on a memory-bound machine and cost f
 batch makes the products compute-bound; where that happens depends on the model, the CPU and the
 drafter (vLLM's `disable_by_batch_size` is a fixed number for this). The gate keeps, per batch size
 (in powers of two), the recent throughput of steps with and without drafts (a decaying sum), plays
-the better one and tries the other now and then. A step without drafts is a chain of none: the same
-verification, so the output does not depend on the choice (greedy stays full depth's tokens).
+the better one and tries the other now and then. A step without drafts runs full depth's row and
+choice (the drafter still sees the token), so the output does not depend on the choice (greedy stays full depth's tokens).
 """
 from __future__ import annotations
 

@@ -155,28 +155,36 @@ class SpeculativeDecoding(FullDepth):
     def plan(self, r: Running) -> Segment:
         st, params, model = r.state, r.seq.params, self.model
         st.start = n = r.cache.length
-        room = self.room(r) if self.drafting else 0  # no drafts: a plain decode row, verified the same way
+        room = self.room(r) if self.drafting else 0  # no drafts: full depth's row
         t0 = device_time(model.device)
         last = torch.tensor([r.last], device=model.device)
-        if st.tree is None and st.draft is None:  # not drafted with the others in begin_step
+        if st.tree is None and st.draft is None and room > 0:  # not drafted with the others in begin_step
             if self.grower is not None and room >= self.grower.shape.depth:
                 st.tree = self.grower.grow(last, st.drafter, [st.drafter])[0]
             if st.tree is None:
-                st.draft = (st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width) if room > 0
-                            else Draft(last[:0]))
+                st.draft = st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width)
             st.stats.draft_seconds += device_time(model.device) - t0
+        if st.tree is None and st.draft is None:  # no drafts this step: full depth's own row and choice
+            return Segment(last, r.cache, model.range_inputs(n, 1))
         if st.tree is not None:
             return Segment(st.tree.tokens, r.cache, tree_inputs(model, st.tree, n))
         return Segment(torch.cat([last, st.draft.tokens]), r.cache, model.range_inputs(n, st.draft.tokens.shape[0] + 1))
 
     def choose(self, r: Running, logits: torch.Tensor) -> torch.Tensor:
         st = r.state
+        if st.tree is None and st.draft is None:
+            return sample(logits, r.seq.params, r.generator)  # [t_0]
         if st.tree is not None:  # [a, path (D + 1), tokens (D + 1)]
             return accept_tree(st.tree, sample(logits, r.seq.params, r.generator))
         return verify_chain(st.draft.tokens, st.draft.probs, logits, r.seq.params, r.generator)  # [a, t_0..t_k]
 
     def commit(self, r: Running, verdict: list[int], features: torch.Tensor | None) -> list[int]:
         st, n = r.state, r.state.start
+        if st.tree is None and st.draft is None:  # a plain row: [t_0]
+            r.cache.length = n + 1
+            st.stats.record(0, 0)
+            st.drafter.commit(verdict, 0, None if features is None else features[None])
+            return verdict
         accepted = verdict[0]
         if st.tree is not None:
             D = st.tree.depth
