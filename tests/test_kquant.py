@@ -121,7 +121,7 @@ def kernel():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 @torch.inference_mode()
 def test_kernel_equals_the_integer_reference_bit_for_bit(qtype, rows, level):
-    w = random_blocks(qtype, 48, 512, seed=rows)
+    w = random_blocks(qtype, 80, 512, seed=rows)  # a group of 4 tiles side by side and one alone
     x = activations(rows, 512, seed=rows)
     y = KQuantLinear([w], None, kernel())(x)
     np.testing.assert_array_equal(y.numpy(), reference(w, x))
@@ -129,8 +129,8 @@ def test_kernel_equals_the_integer_reference_bit_for_bit(qtype, rows, level):
 
 @torch.inference_mode()
 def test_rows_are_the_same_whatever_rows_share_the_call_and_fused_types_split(level):
-    parts = [random_blocks(T.Q4_K, 32, 768, 1), random_blocks(T.Q6_K, 16, 768, 2), random_blocks(T.Q4_K, 16, 768, 3)]
-    lin = KQuantLinear(parts, torch.randn(64), kernel())
+    parts = [random_blocks(T.Q4_K, 80, 768, 1), random_blocks(T.Q6_K, 16, 768, 2), random_blocks(T.Q4_K, 32, 768, 3)]
+    lin = KQuantLinear(parts, torch.randn(128), kernel())
     x = activations(8, 768, seed=7)
     y = lin(x)
     for r in range(8):
@@ -139,16 +139,16 @@ def test_rows_are_the_same_whatever_rows_share_the_call_and_fused_types_split(le
     np.testing.assert_array_equal(y.numpy(), want)
     plain = KQuantLinear(parts, None, kernel())
     assert torch.equal(plain(x.bfloat16()), plain(x.bfloat16().float()).bfloat16())  # bf16 widens exactly
-    kv = lin.take_rows(slice(32, None))
-    assert torch.equal(kv(x), y[:, 32:]) and torch.equal(kv.dequantize(), lin.dequantize()[32:])
-    ids = torch.tensor([[0, 40], [63, 33]])
+    kv = lin.take_rows(slice(80, None))
+    assert torch.equal(kv(x), y[:, 80:]) and torch.equal(kv.dequantize(), lin.dequantize()[80:])
+    ids = torch.tensor([[0, 90], [127, 33]])
     assert torch.equal(lin.rows(ids), lin.dequantize()[ids])
 
 
 def test_the_repack_adds_no_byte_and_refuses_other_types():
     for qtype in (T.Q4_K, T.Q6_K):
         w = random_blocks(qtype, 32, 512, 0)
-        assert repack(w).nbytes == w.data.nbytes
+        assert repack(w).nbytes == w.data.nbytes == KQuantLinear([w], None, kernel()).packed.numel()
     with pytest.raises(ValueError, match="Q5_K blocks have no K-quant kernel"):
         repack(GGUFWeight(T.Q5_K, np.zeros((16, 176), np.uint8)))
 

@@ -14,6 +14,7 @@ from .gguf_blocks import GGUFWeight, _dequantize_blocks
 from .quant import QuantizationError, _KernelLinear, _present
 
 TILE = 16  # outputs per tile: one 16-lane vector
+GROUP = 4  # tiles whose super-blocks interleave (kquant.cpp's kGroupTiles)
 SUPER = 256  # inputs per K-quant block
 _F16_ONE = np.frombuffer(np.float16(1).tobytes(), np.uint8)
 
@@ -65,7 +66,7 @@ def _lanes(x: np.ndarray, word: int) -> np.ndarray:
 
 
 def repack(w: GGUFWeight) -> np.ndarray:
-    """w's blocks as kquant.cpp's tiles: uint8 [N/16, K/256 x tile bytes]."""
+    """w's blocks as kquant.cpp's tile-blocks: uint8 [N/16, K/256, tile-block bytes]."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import GGML_QUANT_SIZES
 
@@ -87,7 +88,23 @@ def repack(w: GGUFWeight) -> np.ndarray:
                  _lanes(blocks[..., 192:208], 4), _lanes(blocks[..., 208:210], 2)]
     else:
         raise QuantizationError(f"{w.qtype.name} blocks have no K-quant kernel (Q4_K and Q6_K do)")
-    return np.concatenate(parts, axis=-1).reshape(N // TILE, -1)
+    return np.concatenate(parts, axis=-1)
+
+
+def interleave(blocks: np.ndarray, at: int, qtype: int) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+    """Tile-blocks [tiles, S, size] in kquant.cpp's order: groups of GROUP tiles (fewer at the end),
+    per super-block the group's 64-byte vectors interleaved (vector v of tile j at (v g + j) 64), then
+    their tails (Q6_K's d, 32 bytes); and each tile's (offset of its group from `at`, type, g, j)."""
+    tiles, S, size = blocks.shape
+    vectors = size // 64
+    out, rows = [], []
+    for g0 in range(0, tiles, GROUP):
+        g = blocks[g0:g0 + GROUP]
+        body = g[..., :vectors * 64].reshape(len(g), S, vectors, 64).transpose(1, 2, 0, 3).reshape(S, -1)
+        tail = g[..., vectors * 64:].transpose(1, 0, 2).reshape(S, -1)
+        rows += [(at + g0 * S * size, qtype, len(g), j) for j in range(len(g))]
+        out.append(np.concatenate([body, tail], axis=1).reshape(-1))
+    return np.concatenate(out), rows
 
 
 class KQuantLinear(_KernelLinear):
@@ -102,10 +119,10 @@ class KQuantLinear(_KernelLinear):
         self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
         packed, tiles, offset = [], [], 0
         for p in parts:
-            t = repack(p)
-            tiles += [(offset + i * t.shape[1], int(p.qtype)) for i in range(t.shape[0])]
-            packed.append(t.reshape(-1))
-            offset += t.size
+            blocks, rows = interleave(repack(p), offset, int(p.qtype))
+            packed.append(blocks)
+            tiles += rows
+            offset += blocks.size
         self.packed = torch.from_numpy(np.concatenate(packed))
         self.tiles = torch.tensor(tiles, dtype=torch.int64)
 

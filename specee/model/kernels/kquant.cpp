@@ -3,15 +3,17 @@
 // as int4_q8.cpp quantizes them. Why: the int4 repack (a bf16 scale and zero per 32) and the int8
 // widening of Q6_K read about 15% more bytes per token than the file, and decoding reads weights.
 //
-// Layout of a tile (16 outputs, lane o = output o, 4 bytes a lane per 64-byte vector), per 256 inputs:
-//   nibbles  32 x 64 B  vector 4 b + a: byte e of lane o holds inputs 32 b + 8 a + e (low nibble) and
-//                       32 b + 8 a + 4 + e (high nibble): Q4_K's codes, Q6_K's low 4 bits
-//   Q4_K     3 x 64 B   ggml's 12 scale bytes of output o as three words A, B, C (6-bit sc_b, m_b);
-//            64 B       d of the 16 outputs (fp16), then dmin                          = 2304 B
-//   Q6_K     16 x 64 B  high 2 bits, vector 2 b + h: byte e holds inputs 32 b + 16 h + 4 cc + e at
-//                       bits 2 cc (cc = 0..3);
-//            4 x 64 B   the int8 scales per 16 inputs, vector b / 2: byte 2 (b % 2) + h;
-//            32 B       d (fp16)                                                       = 3360 B
+// Layout: per part, tiles of 16 outputs (lane o = output o) in groups of g = 4 (fewer at a part's
+// end); per group, its super-blocks of 256 inputs one after the other, each the group's tiles'
+// 64-byte vectors interleaved, vector v of tile j at (v g + j) 64, in the order the kernel reads them.
+// A tile's vectors (4 bytes a lane), per super-block:
+//   0-31    nibbles: vector 4 b + a, byte e of lane o holds inputs 32 b + 8 a + e (low nibble) and
+//           32 b + 8 a + 4 + e (high nibble): Q4_K's codes, Q6_K's low 4 bits
+//   Q4_K    32-34: ggml's 12 scale bytes of output o as three words A, B, C (6-bit sc_b, m_b);
+//           35: d of the 16 outputs (fp16), then dmin                               = 2304 B a tile
+//   Q6_K    32-47: high 2 bits, vector 32 + 2 b + h: byte e holds inputs 32 b + 16 h + 4 cc + e at
+//           bits 2 cc (cc = 0..3); 48-51: the int8 scales per 16 inputs, vector 48 + b / 2, byte
+//           2 (b % 2) + h; then, after the group's vectors, d (fp16), 32 bytes a tile = 3360 B a tile
 // Integer dot products: `vpdpbusd` (AVX-512 VNNI), `vpmaddubsw` + `vpmaddwd` (AVX2: pairs at most
 // 2 x 63 x 127, exact in int16), plain loops (portable). Every float32 operation is an FMA in the
 // same order at every level (std::fmaf in the portable path), so all levels give the same bits and
@@ -33,8 +35,11 @@ namespace {
 
 using specee_int4::kGroup;
 constexpr int64_t kQ4K = 12, kQ6K = 14;  // GGUF type numbers
-constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // one tile's bytes per 256 inputs
+constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // a tile's bytes per 256 inputs
+#define SPECEE_KQ_INLINE __attribute__((always_inline)) inline  // the body's parts: registers, not memory
 constexpr int kMaxRows = 4;  // rows sharing a tile's unpacking (more would spill the accumulators)
+constexpr int64_t kGroupTiles = 4;  // tiles per parallel task: 4 / R of them side by side
+constexpr int kSideCount[kMaxRows + 1] = {0, 4, 2, 1, 1};  // kSide's J by rows
 
 // Quantized activations of some rows: q [R][K] int8 (read 4 at a time), per block of 32 the step
 // dx and dx times the block's sum of q, and the int32 sums of q per 16 inputs.
@@ -100,9 +105,12 @@ struct V {
   template <int S> static I shl(const I& a) { return map(a, [](int32_t e, int) { return static_cast<int32_t>(static_cast<uint32_t>(e) << S); }); }
   template <int S> static I shr(const I& a) { return map(a, [](int32_t e, int) { return static_cast<int32_t>(static_cast<uint32_t>(e) >> S); }); }
   template <int S> static I sar(const I& a) { return map(a, [](int32_t e, int) { return e >> S; }); }
-  static I dot(const I& acc, const I& w, int32_t x4) {  // + sum_e u8(w byte e) s8(x4 byte e)
+  static I shlv(const I& a, int n) { return map(a, [&](int32_t e, int) { return static_cast<int32_t>(static_cast<uint32_t>(e) << n); }); }
+  static I shrv(const I& a, int n) { return map(a, [&](int32_t e, int) { return static_cast<int32_t>(static_cast<uint32_t>(e) >> n); }); }
+  static I dot(const I& acc, const I& w, const I& x) {  // + sum_e u8(w byte e) s8(x byte e), per lane
     return map(acc, [&](int32_t e, int i) {
-      for (int b = 0; b < 4; ++b) e += static_cast<int32_t>((static_cast<uint32_t>(w.v[i]) >> 8 * b) & 255) * static_cast<int8_t>(x4 >> 8 * b);
+      for (int b = 0; b < 4; ++b)
+        e += static_cast<int32_t>((static_cast<uint32_t>(w.v[i]) >> 8 * b) & 255) * static_cast<int8_t>(x.v[i] >> 8 * b);
       return e;
     });
   }
@@ -134,10 +142,12 @@ struct V {
   template <int S> static I shl(const I& x) { return {_mm256_slli_epi32(x.a, S), _mm256_slli_epi32(x.b, S)}; }
   template <int S> static I shr(const I& x) { return {_mm256_srli_epi32(x.a, S), _mm256_srli_epi32(x.b, S)}; }
   template <int S> static I sar(const I& x) { return {_mm256_srai_epi32(x.a, S), _mm256_srai_epi32(x.b, S)}; }
+  static I shlv(const I& x, int n) { const __m128i c = _mm_cvtsi32_si128(n); return {_mm256_sll_epi32(x.a, c), _mm256_sll_epi32(x.b, c)}; }
+  static I shrv(const I& x, int n) { const __m128i c = _mm_cvtsi32_si128(n); return {_mm256_srl_epi32(x.a, c), _mm256_srl_epi32(x.b, c)}; }
   static __m256i dot1(__m256i acc, __m256i w, __m256i x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
   }
-  static I dot(const I& acc, const I& w, int32_t x4) { const __m256i x = _mm256_set1_epi32(x4); return {dot1(acc.a, w.a, x), dot1(acc.b, w.b, x)}; }
+  static I dot(const I& acc, const I& w, const I& x) { return {dot1(acc.a, w.a, x.a), dot1(acc.b, w.b, x.b)}; }
   static F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F fset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
   static F cvt(const I& x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
@@ -167,7 +177,9 @@ struct V {
   template <int S> static I shl(I x) { return _mm512_slli_epi32(x, S); }
   template <int S> static I shr(I x) { return _mm512_srli_epi32(x, S); }
   template <int S> static I sar(I x) { return _mm512_srai_epi32(x, S); }
-  static I dot(I acc, I w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
+  static I shlv(I x, int n) { return _mm512_sll_epi32(x, _mm_cvtsi32_si128(n)); }
+  static I shrv(I x, int n) { return _mm512_srl_epi32(x, _mm_cvtsi32_si128(n)); }
+  static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F cvt(I x) { return _mm512_cvtepi32_ps(x); }
@@ -181,31 +193,38 @@ struct V {
 #pragma GCC pop_options
 #endif  // SPECEE_X86
 
-using RowsFn = decltype(&portable::tile_rows<1>);
+using RowsFn = decltype(&portable::tiles_rows<1, 1>);
+struct Kernels {
+  const RowsFn* one;   // [R]: one tile
+  const RowsFn* side;  // [R]: kSideCount[R] adjacent tiles of one type
+};
 
-// The level's table of row kernels: int4_level() (SPECEE_CPU_LEVEL lowers it); the AVX2 path also
-// needs F16C (every AVX2 CPU so far has it), else it runs the portable one.
-const RowsFn* rows_table() {
+// The level's kernels: int4_level() (SPECEE_CPU_LEVEL lowers it); the AVX2 path also needs F16C
+// (every AVX2 CPU so far has it), else it runs the portable one.
+Kernels level_kernels() {
 #ifdef SPECEE_X86
   const int64_t level = int4_level();
-  if (level == specee_int4::kAvx512) return avx512::kRows;
-  if (level == specee_int4::kAvx2 && __builtin_cpu_supports("f16c")) return avx2::kRows;
+  if (level == specee_int4::kAvx512) return {avx512::kOne, avx512::kSide};
+  if (level == specee_int4::kAvx2 && __builtin_cpu_supports("f16c")) return {avx2::kOne, avx2::kSide};
 #endif
-  return portable::kRows;
+  return {portable::kOne, portable::kSide};
 }
+
+int64_t block_bytes(int64_t type) { return type == kQ6K ? kQ6Bytes : kQ4Bytes; }
 
 }  // namespace
 
 at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles) {
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();  // bf16 widens exactly
   const int64_t M = xf.size(0), K = xf.size(1), T = tiles.size(0), N = 16 * T;
-  TORCH_CHECK(xf.dim() == 2 && K % 256 == 0 && tiles.dim() == 2 && tiles.size(1) == 2 &&
+  TORCH_CHECK(xf.dim() == 2 && K % 256 == 0 && tiles.dim() == 2 && tiles.size(1) == 4 && tiles.is_contiguous() &&
                   tiles.scalar_type() == at::kLong && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "kquant_mm: activations [M, K] with K a multiple of 256, tiles int64 [T, 2], packed uint8");
+              "kquant_mm: activations [M, K] with K a multiple of 256, tiles int64 [T, 4], packed uint8");
   const int64_t* tile = tiles.data_ptr<int64_t>();
   for (int64_t i = 0; i < T; ++i) {
-    const int64_t type = tile[2 * i + 1], size = (type == kQ6K ? kQ6Bytes : kQ4Bytes) * (K / 256);
-    TORCH_CHECK((type == kQ4K || type == kQ6K) && tile[2 * i] >= 0 && tile[2 * i] + size <= packed.numel(),
+    const int64_t* e = tile + 4 * i;  // base, type, g, j
+    TORCH_CHECK((e[1] == kQ4K || e[1] == kQ6K) && e[0] >= 0 && e[2] >= 1 && e[2] <= kGroupTiles && e[3] >= 0 &&
+                    e[3] < e[2] && e[0] + e[2] * block_bytes(e[1]) * (K / 256) <= packed.numel(),
                 "kquant_mm: tile ", i, " is not a Q4_K or Q6_K tile inside the packed bytes");
   }
   std::vector<int8_t> q(M * K);
@@ -216,11 +235,21 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   at::Tensor y = at::empty({M, N}, at::kFloat);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
-  const RowsFn* rows = rows_table();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t r = 0; r < M; r += kMaxRows)
-        rows[std::min<int64_t>(kMaxRows, M - r)](tile[2 * t + 1], w + tile[2 * t], act.rows_from(r), K, out + r * N + 16 * t, N);
+  const Kernels kernels = level_kernels();
+  at::parallel_for(0, (T + kGroupTiles - 1) / kGroupTiles, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t t0 = g0 * kGroupTiles; t0 < std::min(T, g1 * kGroupTiles); t0 += kGroupTiles) {
+      const int64_t n = std::min(kGroupTiles, T - t0);
+      bool side = n == kGroupTiles;  // the 4 tiles of one group
+      for (int64_t j = 0; j < n; ++j)
+        side = side && tile[4 * (t0 + j)] == tile[4 * t0] && tile[4 * (t0 + j) + 2] == kGroupTiles && tile[4 * (t0 + j) + 3] == j;
+      for (int64_t r = 0; r < M; r += kMaxRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - r));
+        const int64_t J = side ? kSideCount[R] : 1;
+        for (int64_t j = 0; j < n; j += J)
+          (side ? kernels.side : kernels.one)[R](tile[4 * (t0 + j) + 1], w + tile[4 * (t0 + j)], tile[4 * (t0 + j) + 2],
+                                                  tile[4 * (t0 + j) + 3], act.rows_from(r), K, out + r * N + 16 * (t0 + j), N);
+      }
+    }
   });
   return y;
 }
