@@ -22,7 +22,8 @@ from specee.model.quant import RefinedHead, kernel_spec, linear_from_parts
 from specee.model.quant_gguf import KQuantLinear, repack
 
 from gguf_checkpoints import TinyGGUF, write_gguf
-from test_quant_int8 import assert_same_greedy, fake_quantized, level, int8, quantize_activations  # noqa: F401
+from conftest import greedy_with_margins
+from test_quant_int8 import assert_same_greedy, fake_quantized_twin, int8, level, quantize_activations  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 gguf = pytest.importorskip("gguf")
@@ -178,4 +179,8 @@ def test_greedy_k_quant_gguf_model_equals_its_fake_quantized_twin(tmp_path, leve
     model = Transformer.load(path, "cpu", torch.float32, quantization="auto")
     linears = [getattr(w, n) for w in model.layers for n in ("qkv", "kv", "o", "gate_up", "down")]
     assert all(isinstance(x, KQuantLinear) for x in linears) and model.fast_layers is not None
-    assert_same_greedy(model, [1, 45, 200, 7, 88, 13, 250, 9], 24, rtol=0.02)
+    prompt = [1, 45, 200, 7, 88, 13, 250, 9]
+    first, want = (greedy_with_margins(m, prompt, 1)[1][0] for m in (model, fake_quantized_twin(model)))
+    best = want.topk(8).indices  # those the quantized head recomputes exactly (the rest: its int4 ranker's)
+    assert float((first[best] - want[best]).abs().max()) <= 0.02 * float(want.abs().max())  # before tokens can part
+    assert_same_greedy(model, prompt, 24, rtol=0.02)

@@ -38,8 +38,7 @@ constexpr int64_t kQ4K = 12, kQ6K = 14;  // GGUF type numbers
 constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // a tile's bytes per 256 inputs
 #define SPECEE_KQ_INLINE __attribute__((always_inline)) inline  // the body's parts: registers, not memory
 constexpr int kMaxRows = 4;  // rows sharing a tile's unpacking (more would spill the accumulators)
-constexpr int64_t kGroupTiles = 4;  // tiles per parallel task: 4 / R of them side by side
-constexpr int kSideCount[kMaxRows + 1] = {0, 4, 2, 1, 1};  // kSide's J by rows
+constexpr int kGroupTiles = 4;  // tiles per group (model/quant_gguf.py GROUP) and parallel task
 
 // Quantized activations of some rows: q [R][K] int8 (read 4 at a time), per block of 32 the step
 // dx and dx times the block's sum of q, and the int32 sums of q per 16 inputs.
@@ -121,6 +120,7 @@ struct V {
   static F fnma(const F& a, const F& b, const F& c) { F r; for (int i = 0; i < 16; ++i) r.v[i] = std::fmaf(-a.v[i], b.v[i], c.v[i]); return r; }
   static F half(const uint16_t* p) { F r; for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]); return r; }
   static void store(float* p, const F& a) { std::memcpy(p, a.v, 64); }
+  static F loadf(const float* p) { F r; std::memcpy(r.v, p, 64); return r; }
 };
 #include "kquant_tile.h"
 }  // namespace portable
@@ -157,6 +157,7 @@ struct V {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
   }
   static void store(float* p, const F& x) { _mm256_storeu_ps(p, x.a), _mm256_storeu_ps(p + 8, x.b); }
+  static F loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 };
 #include "kquant_tile.h"
 }  // namespace avx2
@@ -187,6 +188,7 @@ struct V {
   static F fnma(F x, F y, F z) { return _mm512_fnmadd_ps(x, y, z); }
   static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
 };
 #include "kquant_tile.h"
 }  // namespace avx512
@@ -196,7 +198,7 @@ struct V {
 using RowsFn = decltype(&portable::tiles_rows<1, 1>);
 struct Kernels {
   const RowsFn* one;   // [R]: one tile
-  const RowsFn* side;  // [R]: kSideCount[R] adjacent tiles of one type
+  const RowsFn* side;  // [R]: the 4 tiles of a group
 };
 
 // The level's kernels: int4_level() (SPECEE_CPU_LEVEL lowers it); the AVX2 path also needs F16C
@@ -232,19 +234,19 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   std::vector<int32_t> s16(M * K / 16);
   quantize(xf.data_ptr<float>(), M, K, q.data(), d.data(), ds.data(), s16.data());
   const Act act{q.data(), d.data(), ds.data(), s16.data(), K};
-  at::Tensor y = at::empty({M, N}, at::kFloat);
+  at::Tensor y = at::zeros({M, N}, at::kFloat);  // each super-block adds into it
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   const Kernels kernels = level_kernels();
   at::parallel_for(0, (T + kGroupTiles - 1) / kGroupTiles, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t t0 = g0 * kGroupTiles; t0 < std::min(T, g1 * kGroupTiles); t0 += kGroupTiles) {
-      const int64_t n = std::min(kGroupTiles, T - t0);
+      const int64_t n = std::min<int64_t>(kGroupTiles, T - t0);
       bool side = n == kGroupTiles;  // the 4 tiles of one group
       for (int64_t j = 0; j < n; ++j)
         side = side && tile[4 * (t0 + j)] == tile[4 * t0] && tile[4 * (t0 + j) + 2] == kGroupTiles && tile[4 * (t0 + j) + 3] == j;
       for (int64_t r = 0; r < M; r += kMaxRows) {
         const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - r));
-        const int64_t J = side ? kSideCount[R] : 1;
+        const int64_t J = side ? kGroupTiles : 1;
         for (int64_t j = 0; j < n; j += J)
           (side ? kernels.side : kernels.one)[R](tile[4 * (t0 + j) + 1], w + tile[4 * (t0 + j)], tile[4 * (t0 + j) + 2],
                                                   tile[4 * (t0 + j) + 3], act.rows_from(r), K, out + r * N + 16 * (t0 + j), N);
