@@ -119,7 +119,7 @@ def kernel():
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 37])
 @torch.inference_mode()
 def test_kernel_equals_the_integer_reference_bit_for_bit(qtype, rows, level):
     w = random_blocks(qtype, 80, 512, seed=rows)  # a group of 4 tiles side by side and one alone
