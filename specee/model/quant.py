@@ -6,7 +6,8 @@ which take bfloat16 activations (float32 activations are several times slower: s
 benchmarks/bench_kernels.py), except int4 on a CPU where specee's kernels build: its own
 (model/kernels/int4_matmul.cpp: AVX-512 BF16, AVX2 or portable) does the same arithmetic 2-3x
 faster, or by default llama.cpp's, with activations quantized per block of 32 to int8 (int4_q8.cpp;
-kernels.use_activations, SPECEE_ACTIVATIONS=bf16|int8). Every layer has `dequantize()`, the float weight the kernel effectively uses: the
+kernels.use_activations, SPECEE_ACTIVATIONS=bf16|int8); GGUF Q4_K / Q6_K tensors run as stored
+(quant_gguf.py). Every layer has `dequantize()`, the float weight the kernel effectively uses: the
 reference the tests check the kernels against.
 
 All linears share one small interface (`__call__`, `rows`, `take_rows`, `dequantize`, `tensors`)

@@ -16,20 +16,14 @@ from .quant import QuantizationError, _KernelLinear, _present
 TILE = 16  # outputs per tile: one 16-lane vector
 GROUP = 4  # tiles whose super-blocks interleave (kquant.cpp's kGroupTiles)
 SUPER = 256  # inputs per K-quant block
+TYPES = ("Q4_K", "Q6_K")  # what kquant.cpp runs
 _F16_ONE = np.frombuffer(np.float16(1).tobytes(), np.uint8)
-
-
-def _types():
-    from gguf import GGMLQuantizationType as T
-
-    return {T.Q4_K: 2304, T.Q6_K: 3360}  # a tile's bytes per 256 inputs (kquant.cpp)
 
 
 def fits(parts: list) -> bool:
     """Whether every part is a Q4_K / Q6_K GGUF matrix whose shape tiles (rows by 16)."""
-    types = _types()
-    return all(isinstance(p, GGUFWeight) and p.qtype in types and p.data.dtype == np.uint8 and p.shape[0] % TILE == 0
-               for p in parts) and len({p.shape[1] for p in parts}) == 1
+    return all(isinstance(p, GGUFWeight) and p.qtype.name in TYPES and p.data.dtype == np.uint8
+               and p.shape[0] % TILE == 0 for p in parts) and len({p.shape[1] for p in parts}) == 1
 
 
 def kernel_for(parts: list, device: torch.device):
