@@ -221,7 +221,7 @@ def test_gguf_q4_blocks_repack_to_int4_codes_exactly(qtype):
         torch.testing.assert_close(W, ref, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(ref.abs().max()))
     # the kernel's copy reads scale and zero in bf16 (unit roundoff 2^-8): the only rounding, bounded per
     # weight by 2^-8 (8 |scale| + |zero|)
-    lin = linear_from_parts([g], None, "auto", CPU, torch.float32)
+    lin = linear_from_parts([g], None, "int4", CPU, torch.float32)  # auto runs Q4_K as stored (test_kquant.py)
     assert isinstance(lin, Int4Linear)
     s, z = scales.repeat_interleave(32, 1), zeros.repeat_interleave(32, 1)
     bound = 2 ** -8 * (8 * s.abs() + z.abs()) * (1 + 1e-6)
@@ -234,7 +234,7 @@ def test_gguf_q4_blocks_repack_to_int4_codes_exactly(qtype):
 def test_gguf_8_5_6_bit_blocks_map_to_int8_within_half_a_channel_step(qtype):
     g = random_blocks(qtype, 32, 512, seed=3)
     ref = g.dequantize()
-    lin = linear_from_parts([g], None, "auto", CPU, torch.float32)
+    lin = linear_from_parts([g], None, "int8", CPU, torch.float32)  # auto's choice, but for Q6_K's kernel
     assert isinstance(lin, Int8Linear)  # per-block scales do not map to per-channel ones: requantized
     step = lin.scales.float()[:, None]
     assert ((lin.dequantize() - ref).abs() <= 0.5 * step * (1 + 1e-3)).all()
@@ -245,7 +245,12 @@ def test_auto_keeps_float_parts_float_and_fuses_mixed_parts_in_the_finer_format(
     w = torch.randn(32, 64)
     assert isinstance(linear_from_parts([w], None, "auto", CPU, torch.float32), FloatLinear)
     mixed = [random_blocks(T.Q4_K, 256, 256), random_blocks(T.Q6_K, 32, 256)]  # Q4_K_M's q/k + v
-    fused = linear_from_parts(mixed, None, "auto", CPU, torch.float32)
+    before = kernels.use_activations("bf16") if int4_kernel() else None  # else auto runs both as stored (test_kquant)
+    try:
+        fused = linear_from_parts(mixed, None, "auto", CPU, torch.float32)
+    finally:
+        if before:
+            kernels.use_activations(before)
     assert isinstance(fused, Int8Linear) and fused.out_features == 288
     assert isinstance(linear_from_parts(mixed, None, "int4", CPU, torch.float32), Int4Linear)
 

@@ -6,7 +6,8 @@ which take bfloat16 activations (float32 activations are several times slower: s
 benchmarks/bench_kernels.py), except int4 on a CPU where specee's kernels build: its own
 (model/kernels/int4_matmul.cpp: AVX-512 BF16, AVX2 or portable) does the same arithmetic 2-3x
 faster, or by default llama.cpp's, with activations quantized per block of 32 to int8 (int4_q8.cpp;
-kernels.use_activations, SPECEE_ACTIVATIONS=bf16|int8). Every layer has `dequantize()`, the float weight the kernel effectively uses: the
+kernels.use_activations, SPECEE_ACTIVATIONS=bf16|int8); GGUF Q4_K / Q6_K tensors run as stored
+(quant_gguf.py). Every layer has `dequantize()`, the float weight the kernel effectively uses: the
 reference the tests check the kernels against.
 
 All linears share one small interface (`__call__`, `rows`, `take_rows`, `dequantize`, `tensors`)
@@ -293,13 +294,16 @@ class RefinedHead:
 
     @classmethod
     def around(cls, head: Linear) -> Linear:
-        """`head` itself when float; else refined, ranked by int4 where it is an int8 head on the CPU
-        whose shape the int4 kernel takes."""
+        """`head` itself when float; else refined, ranked by int4 where it is an int8 or GGUF K-quant
+        head on the CPU whose shape the int4 kernel takes (Qwen's Q6_K head: 146 MB read a token
+        by the int4 ranker against 191 MB as stored)."""
         if isinstance(head, FloatLinear):
             return head
+        from .quant_gguf import KQuantLinear  # a module that builds on this one
+
         ranker = None
-        if isinstance(head, Int8Linear) and head.qweight.device.type == "cpu" and head.in_features % 32 == 0 \
-                and head.out_features % 16 == 0:
+        wider = isinstance(head, Int8Linear) and head.qweight.device.type == "cpu" or isinstance(head, KQuantLinear)
+        if wider and head.in_features % 32 == 0 and head.out_features % 16 == 0:
             ranker = Int4Linear.from_float(head.dequantize())
         return cls(head, ranker)
 
@@ -307,13 +311,18 @@ class RefinedHead:
 def kernel_spec(lin: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """How the C++ decode layer (model/kernels/decode_layer.cpp) calls `lin`, through the kernel
     `lin` itself uses: (kind 0 float / 1 int8 / 2 int4 through PyTorch / 3 int4 through
-    int4_matmul.cpp, weight, scales, bias, int4 group); absent parts are empty tensors."""
+    int4_matmul.cpp / 4 GGUF K-quant blocks through kquant.cpp, weight, scales (K-quants: tiles),
+    bias, int4 group); absent parts are empty tensors."""
+    from .quant_gguf import KQuantLinear  # a module that builds on this one
+
     empty = torch.empty(0)
     bias = empty if lin.bias is None else lin.bias
     if isinstance(lin, Int4Linear):
         return 3 if lin.kernel is not None else 2, lin.packed, lin.scales_and_zeros, bias, lin.group
     if isinstance(lin, Int8Linear):
         return 1, lin.qweight, lin.scales, bias, 0
+    if isinstance(lin, KQuantLinear):
+        return 4, lin.packed, lin.tiles, bias, 0
     return 0, lin.dequantize(), empty, bias, 0
 
 
@@ -341,6 +350,11 @@ def linear_from_parts(parts: list[torch.Tensor | GGUFWeight], bias: torch.Tensor
     natively where it is int4, else quantized from the float weight; "auto": each GGUF part's
     native format (float for float parts); parts of different formats fuse in the most precise one."""
     if mode == "auto":
+        from .quant_gguf import KQuantLinear, kernel_for
+
+        kernel = kernel_for(parts, device)
+        if kernel is not None:  # Q4_K / Q6_K blocks as stored
+            return KQuantLinear(parts, None if bias is None else bias.to(device=device, dtype=dtype), kernel)
         formats = [p.native_format() if isinstance(p, GGUFWeight) else None for p in parts]
         mode = max(formats, key=PRECISION.index)
     elif mode not in PRECISION:

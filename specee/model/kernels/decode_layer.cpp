@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "int4_matmul.h"
+#include "kquant.h"
 #include "row_attention.h"
 
 namespace {
@@ -20,7 +21,8 @@ constexpr int64_t kSiluGrain = 16384;  // gate elements worth a parallel region 
 // A linear as the runtime holds it (model/quant.py): float weight, int8 per channel, or int4 packed.
 struct Linear {
   // 0 float: w = weight; 1 int8: w = qweight, aux = bf16 scales; 2 int4 (PyTorch's kernel): w = packed,
-  // aux = scales_and_zeros; 3 int4 (int4_matmul.cpp): w = packed, aux = scales
+  // aux = scales_and_zeros; 3 int4 (int4_matmul.cpp): w = packed, aux = scales; 4 GGUF K-quant blocks
+  // (kquant.cpp): w = packed, aux = tiles
   int64_t kind;
   at::Tensor w, aux, bias;
   int64_t group;
@@ -33,8 +35,10 @@ struct Linear {
       y = at::_weight_int8pack_mm(x.to(at::kBFloat16), w, aux).to(at::kFloat);
     } else if (kind == 2) {
       y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, aux).to(at::kFloat);
-    } else {
+    } else if (kind == 3) {
       y = int4_mm(x, w, aux);
+    } else {
+      y = kquant_mm(x, w, aux);
     }
     if (bias.numel()) y.add_(bias);
     return y;
@@ -215,4 +219,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_activations", &int4_activations);
   m.def("int4_set_activations", &int4_set_activations);
   m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("kquant_mm", &kquant_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

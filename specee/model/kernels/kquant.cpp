@@ -1,0 +1,257 @@
+// GGUF Q4_K (4.5 bits a weight) and Q6_K (6.56) run from their own blocks, repacked per 16 outputs
+// (model/quant_gguf.py) without adding a byte, times activations quantized per block of 32 to int8
+// as int4_q8.cpp quantizes them. Why: the int4 repack (a bf16 scale and zero per 32) and the int8
+// widening of Q6_K read about 15% more bytes per token than the file, and decoding reads weights.
+//
+// Layout: per part, tiles of 16 outputs (lane o = output o) in groups of g = 4 (fewer at a part's
+// end); per group, its super-blocks of 256 inputs one after the other, each the group's tiles'
+// 64-byte vectors interleaved, vector v of tile j at (v g + j) 64, in the order the kernel reads them.
+// A tile's vectors (4 bytes a lane), per super-block:
+//   0-31    nibbles: vector 4 b + a, byte e of lane o holds inputs 32 b + 8 a + e (low nibble) and
+//           32 b + 8 a + 4 + e (high nibble): Q4_K's codes, Q6_K's low 4 bits
+//   Q4_K    32-34: ggml's 12 scale bytes of output o as three words A, B, C (6-bit sc_b, m_b);
+//           35: d of the 16 outputs (fp16), then dmin                               = 2304 B a tile
+//   Q6_K    32-47: high 2 bits, vector 32 + 2 b + h: byte e holds inputs 32 b + 16 h + 4 cc + e at
+//           bits 2 cc (cc = 0..3); 48-51: the int8 scales per 16 inputs, vector 48 + b / 2, byte
+//           2 (b % 2) + h; then, after the group's vectors, d (fp16), 32 bytes a tile = 3360 B a tile
+// Integer dot products: `vpdpbusd` (AVX-512 VNNI), `vpmaddubsw` + `vpmaddwd` (AVX2: pairs at most
+// 2 x 63 x 127, exact in int16), plain loops (portable). Every float32 operation is an FMA in the
+// same order at every level (std::fmaf in the portable path), so all levels give the same bits and
+// a row's output does not depend on the rows sharing the call. The body: kquant_tile.h.
+#include "kquant.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "int4_common.h"
+#include "int4_matmul.h"
+
+namespace {
+
+using specee_int4::kGroup;
+constexpr int64_t kQ4K = 12, kQ6K = 14;  // GGUF type numbers
+constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // a tile's bytes per 256 inputs
+#define SPECEE_KQ_INLINE __attribute__((always_inline)) inline  // the body's parts: registers, not memory
+constexpr int kMaxRows = 4;  // rows sharing a tile's unpacking (more would spill the accumulators)
+constexpr int kGroupTiles = 4;  // tiles per group (model/quant_gguf.py GROUP) and parallel task
+
+// Quantized activations of some rows: q [R][K] int8 (read 4 at a time), per block of 32 the step
+// dx and dx times the block's sum of q, and the int32 sums of q per 16 inputs.
+struct Act {
+  const int8_t* xq;
+  const float* xd;
+  const float* xds;
+  const int32_t* xs16;
+  int64_t K;
+  int32_t q4(int r, int64_t i) const {
+    int32_t v;
+    std::memcpy(&v, xq + r * K + 4 * i, 4);
+    return v;
+  }
+  float dx(int r, int64_t b) const { return xd[r * (K / 32) + b]; }
+  float ds(int r, int64_t b) const { return xds[r * (K / 32) + b]; }
+  int32_t s16(int r, int64_t h) const { return xs16[r * (K / 16) + h]; }
+  Act rows_from(int64_t r) const { return {xq + r * K, xd + r * (K / 32), xds + r * (K / 32), xs16 + r * (K / 16), K}; }
+};
+
+float round_even(float v) {
+#ifdef SPECEE_X86
+  return static_cast<float>(_mm_cvtss_si32(_mm_set_ss(v)));  // the MXCSR's rounding: nearest even
+#else
+  return std::nearbyint(v);
+#endif
+}
+
+// int4_q8.cpp's quantization (d = max|x| / 127, x_q = round(x * (1 / d)) to nearest even), adding
+// the sums per 16 inputs that Q6_K's halves need.
+void quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* ds, int32_t* s16) {
+  for (int64_t i = 0; i < M * K / kGroup; ++i) {
+    const float* xb = x + i * kGroup;
+    float amax = 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float step = amax / 127.f, inv = step != 0.f ? 1.f / step : 0.f;
+    int32_t half[2] = {0, 0};
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const int32_t v = static_cast<int32_t>(round_even(xb[k] * inv));
+      q[i * kGroup + k] = static_cast<int8_t>(v);
+      half[k / 16] += v;
+    }
+    d[i] = step;
+    ds[i] = step * static_cast<float>(half[0] + half[1]);
+    s16[2 * i] = half[0], s16[2 * i + 1] = half[1];
+  }
+}
+
+float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// ---- portable: 16 lanes in plain loops ------------------------------------------------------------
+namespace portable {
+struct V {
+  struct I { int32_t v[16]; };
+  struct F { float v[16]; };
+  static I load(const uint8_t* p) { I r; std::memcpy(r.v, p, 64); return r; }
+  static I set1(int32_t a) { I r; for (auto& e : r.v) e = a; return r; }
+  template <class Op> static I map(const I& a, Op op) { I r; for (int i = 0; i < 16; ++i) r.v[i] = op(a.v[i], i); return r; }
+  static I and_(const I& a, uint32_t m) { return map(a, [&](int32_t e, int) { return static_cast<int32_t>(e & m); }); }
+  static I or_(const I& a, const I& b) { return map(a, [&](int32_t e, int i) { return e | b.v[i]; }); }
+  static I add(const I& a, const I& b) { return map(a, [&](int32_t e, int i) { return e + b.v[i]; }); }
+  static I mul(const I& a, const I& b) { return map(a, [&](int32_t e, int i) { return e * b.v[i]; }); }
+  template <int S> static I shl(const I& a) { return map(a, [](int32_t e, int) { return static_cast<int32_t>(static_cast<uint32_t>(e) << S); }); }
+  template <int S> static I shr(const I& a) { return map(a, [](int32_t e, int) { return static_cast<int32_t>(static_cast<uint32_t>(e) >> S); }); }
+  template <int S> static I sar(const I& a) { return map(a, [](int32_t e, int) { return e >> S; }); }
+  static I shlv(const I& a, int n) { return map(a, [&](int32_t e, int) { return static_cast<int32_t>(static_cast<uint32_t>(e) << n); }); }
+  static I shrv(const I& a, int n) { return map(a, [&](int32_t e, int) { return static_cast<int32_t>(static_cast<uint32_t>(e) >> n); }); }
+  static I dot(const I& acc, const I& w, const I& x) {  // + sum_e u8(w byte e) s8(x byte e), per lane
+    return map(acc, [&](int32_t e, int i) {
+      for (int b = 0; b < 4; ++b)
+        e += static_cast<int32_t>((static_cast<uint32_t>(w.v[i]) >> 8 * b) & 255) * static_cast<int8_t>(x.v[i] >> 8 * b);
+      return e;
+    });
+  }
+  static F fzero() { F r; for (auto& e : r.v) e = 0.f; return r; }
+  static F fset1(float a) { F r; for (auto& e : r.v) e = a; return r; }
+  static F cvt(const I& a) { F r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
+  static F fma(const F& a, const F& b, const F& c) { F r; for (int i = 0; i < 16; ++i) r.v[i] = std::fmaf(a.v[i], b.v[i], c.v[i]); return r; }
+  static F fnma(const F& a, const F& b, const F& c) { F r; for (int i = 0; i < 16; ++i) r.v[i] = std::fmaf(-a.v[i], b.v[i], c.v[i]); return r; }
+  static F half(const uint16_t* p) { F r; for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]); return r; }
+  static void store(float* p, const F& a) { std::memcpy(p, a.v, 64); }
+  static F loadf(const float* p) { F r; std::memcpy(r.v, p, 64); return r; }
+};
+#include "kquant_tile.h"
+}  // namespace portable
+
+#ifdef SPECEE_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+// 16 lanes as two AVX2 halves.
+struct V {
+  struct I { __m256i a, b; };
+  struct F { __m256 a, b; };
+  static I load(const uint8_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))}; }
+  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+  static I and_(const I& x, uint32_t m) { const __m256i k = _mm256_set1_epi32(m); return {_mm256_and_si256(x.a, k), _mm256_and_si256(x.b, k)}; }
+  static I or_(const I& x, const I& y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+  static I add(const I& x, const I& y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
+  static I mul(const I& x, const I& y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
+  template <int S> static I shl(const I& x) { return {_mm256_slli_epi32(x.a, S), _mm256_slli_epi32(x.b, S)}; }
+  template <int S> static I shr(const I& x) { return {_mm256_srli_epi32(x.a, S), _mm256_srli_epi32(x.b, S)}; }
+  template <int S> static I sar(const I& x) { return {_mm256_srai_epi32(x.a, S), _mm256_srai_epi32(x.b, S)}; }
+  static I shlv(const I& x, int n) { const __m128i c = _mm_cvtsi32_si128(n); return {_mm256_sll_epi32(x.a, c), _mm256_sll_epi32(x.b, c)}; }
+  static I shrv(const I& x, int n) { const __m128i c = _mm_cvtsi32_si128(n); return {_mm256_srl_epi32(x.a, c), _mm256_srl_epi32(x.b, c)}; }
+  static __m256i dot1(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+  static I dot(const I& acc, const I& w, const I& x) { return {dot1(acc.a, w.a, x.a), dot1(acc.b, w.b, x.b)}; }
+  static F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static F fset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+  static F cvt(const I& x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+  static F fma(const F& x, const F& y, const F& z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+  static F fnma(const F& x, const F& y, const F& z) { return {_mm256_fnmadd_ps(x.a, y.a, z.a), _mm256_fnmadd_ps(x.b, y.b, z.b)}; }
+  static F half(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  static void store(float* p, const F& x) { _mm256_storeu_ps(p, x.a), _mm256_storeu_ps(p + 8, x.b); }
+  static F loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+};
+#include "kquant_tile.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni")
+namespace avx512 {
+struct V {
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I and_(I x, uint32_t m) { return _mm512_and_si512(x, _mm512_set1_epi32(m)); }
+  static I or_(I x, I y) { return _mm512_or_si512(x, y); }
+  static I add(I x, I y) { return _mm512_add_epi32(x, y); }
+  static I mul(I x, I y) { return _mm512_mullo_epi32(x, y); }
+  template <int S> static I shl(I x) { return _mm512_slli_epi32(x, S); }
+  template <int S> static I shr(I x) { return _mm512_srli_epi32(x, S); }
+  template <int S> static I sar(I x) { return _mm512_srai_epi32(x, S); }
+  static I shlv(I x, int n) { return _mm512_sll_epi32(x, _mm_cvtsi32_si128(n)); }
+  static I shrv(I x, int n) { return _mm512_srl_epi32(x, _mm_cvtsi32_si128(n)); }
+  static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fset1(float v) { return _mm512_set1_ps(v); }
+  static F cvt(I x) { return _mm512_cvtepi32_ps(x); }
+  static F fma(F x, F y, F z) { return _mm512_fmadd_ps(x, y, z); }
+  static F fnma(F x, F y, F z) { return _mm512_fnmadd_ps(x, y, z); }
+  static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+};
+#include "kquant_tile.h"
+}  // namespace avx512
+#pragma GCC pop_options
+#endif  // SPECEE_X86
+
+using RowsFn = decltype(&portable::tiles_rows<1, 1>);
+struct Kernels {
+  const RowsFn* one;   // [R]: one tile
+  const RowsFn* side;  // [R]: the 4 tiles of a group
+};
+
+// The level's kernels: int4_level() (SPECEE_CPU_LEVEL lowers it); the AVX2 path also needs F16C
+// (every AVX2 CPU so far has it), else it runs the portable one.
+Kernels level_kernels() {
+#ifdef SPECEE_X86
+  const int64_t level = int4_level();
+  if (level == specee_int4::kAvx512) return {avx512::kOne, avx512::kSide};
+  if (level == specee_int4::kAvx2 && __builtin_cpu_supports("f16c")) return {avx2::kOne, avx2::kSide};
+#endif
+  return {portable::kOne, portable::kSide};
+}
+
+int64_t block_bytes(int64_t type) { return type == kQ6K ? kQ6Bytes : kQ4Bytes; }
+
+}  // namespace
+
+at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles) {
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();  // bf16 widens exactly
+  const int64_t M = xf.size(0), K = xf.size(1), T = tiles.size(0), N = 16 * T;
+  TORCH_CHECK(xf.dim() == 2 && K % 256 == 0 && tiles.dim() == 2 && tiles.size(1) == 4 && tiles.is_contiguous() &&
+                  tiles.scalar_type() == at::kLong && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "kquant_mm: activations [M, K] with K a multiple of 256, tiles int64 [T, 4], packed uint8");
+  const int64_t* tile = tiles.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t* e = tile + 4 * i;  // base, type, g, j
+    TORCH_CHECK((e[1] == kQ4K || e[1] == kQ6K) && e[0] >= 0 && e[2] >= 1 && e[2] <= kGroupTiles && e[3] >= 0 &&
+                    e[3] < e[2] && e[0] + e[2] * block_bytes(e[1]) * (K / 256) <= packed.numel(),
+                "kquant_mm: tile ", i, " is not a Q4_K or Q6_K tile inside the packed bytes");
+  }
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * K / kGroup), ds(M * K / kGroup);
+  std::vector<int32_t> s16(M * K / 16);
+  quantize(xf.data_ptr<float>(), M, K, q.data(), d.data(), ds.data(), s16.data());
+  const Act act{q.data(), d.data(), ds.data(), s16.data(), K};
+  at::Tensor y = at::zeros({M, N}, at::kFloat);  // each super-block adds into it
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  const Kernels kernels = level_kernels();
+  at::parallel_for(0, (T + kGroupTiles - 1) / kGroupTiles, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t t0 = g0 * kGroupTiles; t0 < std::min(T, g1 * kGroupTiles); t0 += kGroupTiles) {
+      const int64_t n = std::min<int64_t>(kGroupTiles, T - t0);
+      bool side = n == kGroupTiles;  // the 4 tiles of one group
+      for (int64_t j = 0; j < n; ++j)
+        side = side && tile[4 * (t0 + j)] == tile[4 * t0] && tile[4 * (t0 + j) + 2] == kGroupTiles && tile[4 * (t0 + j) + 3] == j;
+      for (int64_t r = 0; r < M; r += kMaxRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - r));
+        const int64_t J = side ? kGroupTiles : 1;
+        for (int64_t j = 0; j < n; j += J)
+          (side ? kernels.side : kernels.one)[R](tile[4 * (t0 + j) + 1], w + tile[4 * (t0 + j)], tile[4 * (t0 + j) + 2],
+                                                  tile[4 * (t0 + j) + 3], act.rows_from(r), K, out + r * N + 16 * (t0 + j), N);
+      }
+    }
+  });
+  return y;
+}

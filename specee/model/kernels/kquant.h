@@ -1,0 +1,9 @@
+// GGUF Q4_K and Q6_K weights run from their own blocks (kquant.cpp), repacked per 16 outputs by
+// model/quant_gguf.py, times activations quantized per block of 32 to int8.
+#pragma once
+#include <torch/extension.h>
+
+// x [M, K] float32 or bf16; packed: uint8, the tiles' bytes; tiles: int64 [T, 4], tile t's (byte
+// offset of its group's first super-block in packed, GGUF type: 12 Q4_K / 14 Q6_K, tiles in its
+// group, its place there) for outputs 16 t .. 16 t + 15 (layout: kquant.cpp). float32 [M, 16 T].
+at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles);

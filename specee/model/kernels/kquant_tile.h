@@ -1,0 +1,173 @@
+// The kernel body of kquant.cpp, written once for every level: kquant.cpp includes this file once
+// per instruction set (no include guard), with `V` that level's vector of 16 int32 / float lanes.
+// A tile is 16 outputs (lane o = output o); J tiles of one group run together (layout: kquant.cpp),
+// sharing the activations' broadcasts, giving independent chains of dot products and reading their
+// group's bytes in order; a lane's operations are the same whatever J and R are.
+//
+// Q6_K: per 32-input block b and half h (16 inputs, scale sc_h, int8):
+//     T_b = sum_h sc_h (sum_k q_k x_k - 32 sum_k x_k)        (int32, exact)
+//     y  += d (sum_b dx_b T_b)                                  (float32 FMAs, in this order)
+// Q4_K: per block b (6-bit scale sc_b and min m_b):
+//     y  += d (sum_b dx_b (sc_b sum_k q_k x_k)) - dmin (sum_b m_b ds_b)   with ds_b = dx_b sum_k x_k
+
+// Where J tiles' bytes are: vector v of tile j (of the J) at t + v vs + 64 j, this super-block.
+struct Tiles {
+  const uint8_t* t;
+  int64_t vs;
+  const uint8_t* vec(int64_t v, int j) const { return t + v * vs + 64 * j; }
+};
+
+// Weight bytes of inputs 4 C .. 4 C + 3 of block b of tile j.
+template <int C>
+SPECEE_KQ_INLINE V::I q4_quad(const Tiles& w, int j, int b) {
+  const V::I v = V::load(w.vec(4 * b + C / 2, j));
+  return V::and_(C % 2 ? V::template shr<4>(v) : v, 0x0F0F0F0F);
+}
+
+// Q6_K: nibble C % 2 of the low-bit vector, and 2-bit field C % 4 of the high-bit vector of half
+// C / 4, moved to bits 4-5.
+template <int C>
+SPECEE_KQ_INLINE V::I q6_quad(const Tiles& w, int j, int b) {
+  constexpr int CC = C % 4;
+  const V::I hi = V::load(w.vec(32 + 2 * b + C / 4, j));
+  const V::I h = CC == 0 ? V::template shl<4>(hi) : CC == 1 ? V::template shl<2>(hi) : CC == 2 ? hi : V::template shr<2>(hi);
+  return V::or_(q4_quad<C>(w, j, b), V::and_(h, 0x30303030));
+}
+
+// acc[r][j][h] += quad C of block b of tile j times row r's inputs; h = C / 4 for Q6_K's halves,
+// else 0 or, where few tiles and rows give few chains of dot products (H = 2), C / 4 as well.
+template <int R, int J, int H, bool Q6, int C>
+SPECEE_KQ_INLINE void dot_quad(const Tiles& w, const Act& x, int64_t blk, int b, V::I (&acc)[R][J][H]) {
+  constexpr int h = H == 2 ? C / 4 : 0;
+  V::I xb[R];
+  for (int r = 0; r < R; ++r) xb[r] = V::set1(x.q4(r, 8 * blk + C));
+  for (int j = 0; j < J; ++j) {
+    const V::I q = Q6 ? q6_quad<C>(w, j, b) : q4_quad<C>(w, j, b);
+    for (int r = 0; r < R; ++r) acc[r][j][h] = V::dot(acc[r][j][h], q, xb[r]);
+  }
+}
+
+template <int R, int J, int H, bool Q6, int... C>
+SPECEE_KQ_INLINE void dots(const Tiles& w, const Act& x, int64_t blk, int b, V::I (&acc)[R][J][H],
+                           std::integer_sequence<int, C...>) {
+  (dot_quad<R, J, H, Q6, C>(w, x, blk, b, acc), ...);
+}
+
+// Q6_K block b of super-block sb: T_b per tile and row, then fs += dx T_b.
+template <int R, int J>
+SPECEE_KQ_INLINE void q6k_block(const Tiles& w, const Act& x, int64_t sb, int b, V::F (&fs)[R][J]) {
+  const int64_t blk = sb * 8 + b;
+  V::I acc[R][J][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j)
+      for (int h = 0; h < 2; ++h) acc[r][j][h] = V::set1(-32 * x.s16(r, 2 * blk + h));
+  dots<R, J, 2, true>(w, x, blk, b, acc, std::make_integer_sequence<int, 8>{});
+  for (int j = 0; j < J; ++j) {
+    const V::I s = V::load(w.vec(48 + b / 2, j));  // byte 2 (b % 2) + h of lane o: sc_h
+    const V::I s0 = V::template sar<24>(V::shlv(s, 24 - 16 * (b % 2)));
+    const V::I s1 = V::template sar<24>(V::shlv(s, 16 - 16 * (b % 2)));
+    for (int r = 0; r < R; ++r) {
+      const V::I T = V::add(V::mul(s0, acc[r][j][0]), V::mul(s1, acc[r][j][1]));
+      fs[r][j] = V::fma(V::cvt(T), V::fset1(x.dx(r, blk)), fs[r][j]);
+    }
+  }
+}
+
+// Q4_K's 6-bit scale and min of block b of tile j from its words A, B, C (vectors 32-34: ggml's 12
+// bytes as they are): b < 4: byte b of A and of B; else the low 4 bits from C's byte b - 4 (min:
+// its high nibble) and the high 2 from the top of A's (scale) and B's (min) byte b - 4.
+SPECEE_KQ_INLINE void q4_scale_min(const Tiles& w, int j, int b, V::I& sc, V::I& m) {
+  const V::I a = V::load(w.vec(32, j)), bm = V::load(w.vec(33, j));
+  if (b < 4) {
+    sc = V::and_(V::shrv(a, 8 * b), 63), m = V::and_(V::shrv(bm, 8 * b), 63);
+  } else {
+    const int S = 8 * (b - 4);
+    const V::I c = V::shrv(V::load(w.vec(34, j)), S);
+    sc = V::or_(V::and_(c, 15), V::and_(V::shrv(a, S + 2), 0x30));
+    m = V::or_(V::and_(V::template shr<4>(c), 15), V::and_(V::shrv(bm, S + 2), 0x30));
+  }
+}
+
+// Q4_K block b of super-block sb: fa += dx sc_b (dot), fb += m_b ds.
+template <int R, int J>
+SPECEE_KQ_INLINE void q4k_block(const Tiles& w, const Act& x, int64_t sb, int b, V::F (&fa)[R][J], V::F (&fb)[R][J]) {
+  const int64_t blk = sb * 8 + b;
+  constexpr int H = R * J < 4 ? 2 : 1;  // independent chains enough without splitting
+  V::I acc[R][J][H];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j)
+      for (int h = 0; h < H; ++h) acc[r][j][h] = V::set1(0);
+  dots<R, J, H, false>(w, x, blk, b, acc, std::make_integer_sequence<int, 8>{});
+  for (int j = 0; j < J; ++j) {
+    V::I sc, m;
+    q4_scale_min(w, j, b, sc, m);
+    const V::F mf = V::cvt(m);
+    for (int r = 0; r < R; ++r) {
+      const V::I dot = H == 2 ? V::add(acc[r][j][0], acc[r][j][H - 1]) : acc[r][j][0];
+      fa[r][j] = V::fma(V::cvt(V::mul(sc, dot)), V::fset1(x.dx(r, blk)), fa[r][j]);
+      fb[r][j] = V::fma(mf, V::fset1(x.ds(r, blk)), fb[r][j]);
+    }
+  }
+}
+
+// An eighth of the group's next super-block (`bytes` long: at block b of this one) into the cache:
+// the hardware prefetchers alone left Qwen's Q4_K products streaming at 18 GB/s on one core (AMD
+// EPYC), 41 with this.
+SPECEE_KQ_INLINE void prefetch_next(const uint8_t* base, int64_t bytes, int b) {
+  for (int64_t i = b * bytes / 8; i < (b + 1) * bytes / 8; i += 64) __builtin_prefetch(base + bytes + i);
+}
+
+// J tiles from tile j0 of a group of g (base: its first super-block), rows R, added into y (zeroed).
+template <int R, int J>
+SPECEE_KQ_INLINE void q6k_tiles(const uint8_t* base, int64_t g, int64_t j0, const Act& x, int64_t K, float* y, int64_t N) {
+  for (int64_t sb = 0; sb < K / 256; ++sb, base += g * kQ6Bytes) {
+    const Tiles w{base + 64 * j0, 64 * g};
+    V::F fs[R][J];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < J; ++j) fs[r][j] = V::fzero();
+    for (int b = 0; b < 8; ++b) {
+      prefetch_next(base, g * kQ6Bytes, b);
+      q6k_block<R, J>(w, x, sb, b, fs);
+    }
+    for (int j = 0; j < J; ++j) {  // d: after the group's 52 vectors, 32 bytes a tile
+      const V::F d = V::half(reinterpret_cast<const uint16_t*>(base + 52 * 64 * g + 32 * (j0 + j)));
+      for (int r = 0; r < R; ++r) V::store(y + r * N + 16 * j, V::fma(d, fs[r][j], V::loadf(y + r * N + 16 * j)));
+    }
+  }
+}
+
+template <int R, int J>
+SPECEE_KQ_INLINE void q4k_tiles(const uint8_t* base, int64_t g, int64_t j0, const Act& x, int64_t K, float* y, int64_t N) {
+  for (int64_t sb = 0; sb < K / 256; ++sb, base += g * kQ4Bytes) {
+    const Tiles w{base + 64 * j0, 64 * g};
+    V::F fa[R][J], fb[R][J];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < J; ++j) fa[r][j] = fb[r][j] = V::fzero();
+    for (int b = 0; b < 8; ++b) {
+      prefetch_next(base, g * kQ4Bytes, b);
+      q4k_block<R, J>(w, x, sb, b, fa, fb);
+    }
+    for (int j = 0; j < J; ++j) {  // vector 35: d of the 16 outputs (fp16), then dmin
+      const uint16_t* dd = reinterpret_cast<const uint16_t*>(w.vec(35, j));
+      const V::F d = V::half(dd), dmin = V::half(dd + 16);
+      for (int r = 0; r < R; ++r) {
+        float* o = y + r * N + 16 * j;
+        V::store(o, V::fnma(dmin, fb[r][j], V::fma(d, fa[r][j], V::loadf(o))));
+      }
+    }
+  }
+}
+
+// R rows (1 to kMaxRows) of J tiles, from tile j0, of a group of g tiles of one type.
+template <int R, int J>
+void tiles_rows(int64_t type, const uint8_t* base, int64_t g, int64_t j0, const Act& x, int64_t K, float* y, int64_t N) {
+  if (type == kQ6K) return q6k_tiles<R, J>(base, g, j0, x, K, y, N);
+  q4k_tiles<R, J>(base, g, j0, x, K, y, N);
+}
+
+// By rows R: one tile; and a whole group of kGroupTiles tiles side by side (with 3-4 rows past the
+// registers, yet faster than fewer tiles: Q4_K 4 rows x 4 tiles 87-93 GMAC/s against 69 for one).
+constexpr decltype(&tiles_rows<1, 1>) kOne[kMaxRows + 1] = {nullptr, tiles_rows<1, 1>, tiles_rows<2, 1>, tiles_rows<3, 1>,
+                                                            tiles_rows<4, 1>};
+constexpr decltype(&tiles_rows<1, 1>) kSide[kMaxRows + 1] = {nullptr, tiles_rows<1, kGroupTiles>, tiles_rows<2, kGroupTiles>,
+                                                             tiles_rows<3, kGroupTiles>, tiles_rows<4, kGroupTiles>};

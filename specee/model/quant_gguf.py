@@ -1,0 +1,161 @@
+"""GGUF Q4_K and Q6_K tensors run from their own blocks (model/kernels/kquant.cpp): the blocks are
+repacked per 16 outputs into vectors the integer dot products read directly, byte for byte as
+large as the file's (Q4_K 4.5 bits a weight, Q6_K 6.5625), where the int4 repack took 5 bits and
+the int8 one 8. Activations are quantized per block of 32 to int8, as the int4 kernel's default.
+
+Codes are gguf's own: gguf.quants dequantizes a copy of the blocks with unit scales, which yields
+them exactly (the nibble and bit order is not re-derived here); scales and d are copied verbatim."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .gguf_blocks import GGUFWeight, _dequantize_blocks
+from .quant import QuantizationError, _KernelLinear, _present
+
+TILE = 16  # outputs per tile: one 16-lane vector
+GROUP = 4  # tiles whose super-blocks interleave (kquant.cpp's kGroupTiles)
+SUPER = 256  # inputs per K-quant block
+TYPES = ("Q4_K", "Q6_K")  # what kquant.cpp runs
+_F16_ONE = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+
+
+def fits(parts: list) -> bool:
+    """Whether every part is a Q4_K / Q6_K GGUF matrix whose shape tiles (rows by 16)."""
+    return all(isinstance(p, GGUFWeight) and p.qtype.name in TYPES and p.data.dtype == np.uint8
+               and p.shape[0] % TILE == 0 for p in parts) and len({p.shape[1] for p in parts}) == 1
+
+
+def kernel_for(parts: list, device: torch.device):
+    """The compiled kernels when `parts` can run as stored here (a CPU, the kernels built, int8
+    activations: the K-quant kernel has no bf16 path), else None."""
+    if torch.device(device).type != "cpu" or not fits(parts) or parts[0].shape[1] % SUPER:
+        return None
+    from .kernels import ACTIVATIONS, int4_kernel
+
+    kernel = int4_kernel()
+    return kernel if kernel is not None and ACTIVATIONS[kernel.int4_activations()] == "int8" else None
+
+
+def _codes(w: GGUFWeight, unit: np.ndarray, offset: int = 0) -> np.ndarray:
+    """The unsigned codes uint8 [N, K] of w's blocks: gguf's dequantization of `unit` (a copy with
+    scales that make it return code - offset) plus offset."""
+    N, K = w.shape
+    return (_dequantize_blocks(w.qtype, unit.reshape(-1, unit.shape[-1])) + offset).reshape(N, K).astype(np.uint8)
+
+
+def _nibbles(codes: np.ndarray) -> np.ndarray:
+    """Low 4 bits as [N/16, K/256, 32 vectors x 64 B]: vector 4 b + a, lane o, byte e = inputs
+    32 b + 8 a + e (low nibble) and + 4 (high nibble)."""
+    N, K = codes.shape
+    v = (codes & 15).reshape(N // TILE, TILE, K // SUPER, 8, 4, 2, 4)  # t, o, sb, b, a, j, e
+    return (v[..., 0, :] | v[..., 1, :] << 4).transpose(0, 2, 3, 4, 1, 5).reshape(N // TILE, K // SUPER, 2048)
+
+
+def _lanes(x: np.ndarray, word: int) -> np.ndarray:
+    """Per-(output, super-block) bytes [N, K/256, n] as [N/16, K/256, n x 16]: the n / word words in
+    turn, each as 16 lanes (outputs) of `word` bytes."""
+    N, S, n = x.shape
+    return x.reshape(N // TILE, TILE, S, n // word, word).transpose(0, 2, 3, 1, 4).reshape(N // TILE, S, -1)
+
+
+def repack(w: GGUFWeight) -> np.ndarray:
+    """w's blocks as kquant.cpp's tile-blocks: uint8 [N/16, K/256, tile-block bytes]."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import GGML_QUANT_SIZES
+
+    N, K = w.shape
+    size = GGML_QUANT_SIZES[w.qtype][1]
+    blocks = np.ascontiguousarray(w.data).reshape(N, K // SUPER, size)
+    unit = blocks.copy()
+    if w.qtype == T.Q4_K:
+        unit[..., 0:2], unit[..., 2:4] = _F16_ONE, 0  # d = 1, dmin = 0
+        unit[..., 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)  # every sc = 1, m = 0
+        codes = _codes(w, unit)
+        parts = [_nibbles(codes), _lanes(blocks[..., 4:16], 4), _lanes(blocks[..., 0:4], 2)]  # d's, then dmin's
+    elif w.qtype == T.Q6_K:
+        unit[..., 192:208], unit[..., 208:210] = 1, _F16_ONE  # every scale 1, d = 1
+        codes = _codes(w, unit, 32)  # gguf gives q - 32
+        hi = (codes >> 4).reshape(N // TILE, TILE, K // SUPER, 8, 2, 4, 4)  # t, o, sb, b, h, cc, e
+        hi = sum(hi[..., cc, :] << (2 * cc) for cc in range(4)).astype(np.uint8)  # t, o, sb, b, h, e
+        parts = [_nibbles(codes), hi.transpose(0, 2, 3, 4, 1, 5).reshape(N // TILE, K // SUPER, 1024),
+                 _lanes(blocks[..., 192:208], 4), _lanes(blocks[..., 208:210], 2)]
+    else:
+        raise QuantizationError(f"{w.qtype.name} blocks have no K-quant kernel (Q4_K and Q6_K do)")
+    return np.concatenate(parts, axis=-1)
+
+
+def interleave(blocks: np.ndarray, at: int, qtype: int) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+    """Tile-blocks [tiles, S, size] in kquant.cpp's order: groups of GROUP tiles (fewer at the end),
+    per super-block the group's 64-byte vectors interleaved (vector v of tile j at (v g + j) 64), then
+    their tails (Q6_K's d, 32 bytes); and each tile's (offset of its group from `at`, type, g, j)."""
+    tiles, S, size = blocks.shape
+    vectors = size // 64
+    out, rows = [], []
+    for g0 in range(0, tiles, GROUP):
+        g = blocks[g0:g0 + GROUP]
+        body = g[..., :vectors * 64].reshape(len(g), S, vectors, 64).transpose(1, 2, 0, 3).reshape(S, -1)
+        tail = g[..., vectors * 64:].transpose(1, 0, 2).reshape(S, -1)
+        rows += [(at + g0 * S * size, qtype, len(g), j) for j in range(len(g))]
+        out.append(np.concatenate([body, tail], axis=1).reshape(-1))
+    return np.concatenate(out), rows
+
+
+class KQuantLinear(_KernelLinear):
+    """Fused GGUF parts (q/k/v, gate/up, or one matrix) of types Q4_K / Q6_K, each tile of 16
+    outputs run by its own type's kernel; keeps the parts (memory-mapped blocks) for rows and
+    dequantize, which are exact: the kernel's weights are the blocks' own."""
+
+    def __init__(self, parts: list[GGUFWeight], bias: torch.Tensor | None, kernel):
+        if not fits(parts) or parts[0].shape[1] % SUPER:  # what kernel_for checks
+            raise QuantizationError("K-quant kernel: Q4_K / Q6_K parts with rows in multiples of 16 and 256-wide blocks")
+        self.parts, self.bias, self.kernel = parts, bias, kernel
+        self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        packed, tiles, offset = [], [], 0
+        for p in parts:
+            blocks, rows = interleave(repack(p), offset, int(p.qtype))
+            packed.append(blocks)
+            tiles += rows
+            offset += blocks.size
+        self.packed = torch.from_numpy(np.concatenate(packed))
+        self.tiles = torch.tensor(tiles, dtype=torch.int64)
+
+    def _kernel_input(self, x2d: torch.Tensor) -> torch.Tensor:
+        """float32 and bf16 go in as they are: the kernel quantizes them itself."""
+        return x2d if x2d.dtype in (torch.float32, torch.bfloat16) else x2d.float()
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return self.kernel.kquant_mm(x2d, self.packed, self.tiles)
+
+    def _part_rows(self, ids: torch.Tensor) -> list[tuple[GGUFWeight, torch.Tensor, torch.Tensor]]:
+        """(part, positions in ids, rows within the part) for each part that ids reach."""
+        out, start = [], 0
+        for p in self.parts:
+            n = p.shape[0]
+            sel = ((ids >= start) & (ids < start + n)).nonzero().flatten()
+            if len(sel):
+                out.append((p, sel, ids[sel] - start))
+            start += n
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        w = torch.empty(len(flat), self.in_features)
+        for p, sel, local in self._part_rows(flat):
+            w[sel] = GGUFWeight(p.qtype, p.data[local.numpy()]).dequantize()
+        return w.view(*ids.shape, self.in_features)
+
+    def take_rows(self, ids: torch.Tensor | slice) -> "KQuantLinear":
+        """A linear of rows `ids` in increasing order (the k/v rows of a fused q/k/v)."""
+        flat = torch.arange(self.out_features)[ids] if isinstance(ids, slice) else ids.reshape(-1)
+        if len(flat) > 1 and bool((flat[1:] <= flat[:-1]).any()):
+            raise QuantizationError("K-quant take_rows: rows must be in increasing order")
+        parts = [GGUFWeight(p.qtype, p.data[local.numpy()]) for p, _, local in self._part_rows(flat)]
+        return KQuantLinear(parts, None if self.bias is None else self.bias[ids], self.kernel)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What it holds resident (the parts stay memory-mapped: read only by rows and dequantize)."""
+        return _present(self.packed, self.tiles, self.bias)
