@@ -57,9 +57,10 @@ def main() -> None:
     model = Transformer.load(args.model, torch.device("cpu"), torch.float32, args.quantization)
     peer = None
     if args.llama_cpp:
-        peer, theirs = multiprocessing.get_context("spawn").Pipe()
-        multiprocessing.get_context("spawn").Process(
-            target=llama_cpp_worker, args=(theirs, args.model, args.threads, max(args.tokens) + 16), daemon=True).start()
+        spawn = multiprocessing.get_context("spawn")
+        peer, theirs = spawn.Pipe()
+        context = max(args.tokens) + 16
+        spawn.Process(target=llama_cpp_worker, args=(theirs, args.model, args.threads, context), daemon=True).start()
         peer.recv()
     print(f"# {cpu_name()}, {args.threads} threads, {Path(args.model).name}")
     for n in args.tokens:
