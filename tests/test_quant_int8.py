@@ -123,6 +123,58 @@ def test_integer_sums_and_their_combination_bit_for_bit(level, unit_scales, K):
         assert torch.equal(lin(x[:rows]), want[:rows].float()), f"{rows} rows"
 
 
+# row counts about the kernel's row chunks (8), up to a prompt's
+MANY_ROWS = (1, 7, 8, 9, 15, 16, 17, 33, 63, 64, 65, 100, 257)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@torch.inference_mode()
+def test_many_rows_bit_for_bit_against_the_integer_reference_and_each_row_alone(level, threads):
+    """A prompt's rows, which threads split by rows as well as by output blocks: every row's output
+    equals the exact reference (inputs whose float32 combination is exact) and the row computed alone,
+    whatever rows and threads share the call; 3 output blocks, 65 groups."""
+    rows, K = 257, 2080
+    lin, x = exact_case(K, rows, seed=K, unit_scales=True)
+    lin = Int4Linear(_bf16_unpack(lin.packed).repeat(3, 1)[:192], lin.scales.repeat(3, 1)[:192],
+                     lin.zeros.repeat(3, 1)[:192], GROUP)  # 192 outputs: 3 blocks of 64
+    want, magnitude = reference(lin, x)
+    assert magnitude.max() < 2 ** 24  # integers: every partial sum exact
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = lin(x)
+        assert torch.equal(together, want.float())
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(alone, together)
+        for n in MANY_ROWS:
+            assert torch.equal(lin(x[rows - n:]), together[rows - n:]), f"last {n} rows"
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.inference_mode()
+def test_every_level_quantizes_nan_and_inf_activations_alike(int8):
+    """The vector quantization keeps the scalar one's results for non-finite inputs too (a NaN drops
+    out of its block's maximum, as from std::max), so a row's numbers never depend on the level."""
+    levels = reachable_levels()
+    if len(levels) < 2:
+        pytest.skip("one int4 kernel level on this CPU")
+    lin, x = exact_case(256, 36, seed=9, unit_scales=True)
+    for r in range(GROUP):  # a NaN at every place in a block (a vector maximum's lanes), the block zero in row 35
+        x[r, 2 * GROUP + r] = x[35, GROUP + r] = float("nan")
+    x[32, 70], x[33, 100], x[34, 101] = float("inf"), float("-inf"), float("nan")
+    before = kernels.use_level(levels[0])
+    try:
+        outs = []
+        for name in levels:
+            kernels.use_level(name)
+            outs.append(lin(x))
+    finally:
+        kernels.use_level(before)
+    for name, out in zip(levels[1:], outs[1:]):
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 @pytest.mark.parametrize("N,K", [(192, 1024), (64, 96)])
 @torch.inference_mode()
 def test_random_products_within_float32_rounding_and_rows_identical(level, N, K):

@@ -16,7 +16,10 @@
 
 namespace {
 
-constexpr int64_t kSiluGrain = 16384;  // gate elements worth a parallel region (a few microseconds)
+// elements of elementwise work (norms, RoPE, the gate) worth a parallel region (a few microseconds): a
+// prompt's rows split between threads, a decode step's row in one
+constexpr int64_t kGrain = 16384;
+constexpr int64_t kMlpBytes = 16 << 20;  // gate/up outputs of the rows whose MLP runs in one pass
 
 // A linear as the runtime holds it (model/quant.py): float weight, int8 per channel, or int4 packed.
 struct Linear {
@@ -26,6 +29,8 @@ struct Linear {
   int64_t kind;
   at::Tensor w, aux, bias;
   int64_t group;
+
+  int64_t outputs() const { return kind == 3 ? w.size(0) * 64 : w.size(0); }  // N (int4 packed: N / 64 blocks)
 
   at::Tensor operator()(const at::Tensor& x) const {  // x [1, K] float32 -> [1, N] float32
     at::Tensor y;
@@ -52,10 +57,19 @@ void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps)
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
 }
 
-// HF half rotation with the sign folded into sin (model/rope.py): out[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d]
+// HF half rotation with the sign folded into sin (model/rope.py): out[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d],
+// in two halves so that the loops vectorize
 void rope(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
   const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) out[d] = x[d] * cos[d] + x[(d + half) % D] * sin[d];
+  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + x[d + half] * sin[d];
+  for (int64_t d = half; d < D; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
+}
+
+// rms_norm of every row of x [S, n] into out
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t S, int64_t n, double eps) {
+  at::parallel_for(0, S, std::max<int64_t>(1, kGrain / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm(x + r * n, w, out + r * n, n, eps);
+  });
 }
 
 }  // namespace
@@ -100,8 +114,7 @@ class DecodeLayer {
     const float* cs = c.data_ptr<float>();
     const float* sg = sn.data_ptr<float>();
     at::Tensor x = at::empty({S, H}, h.options());
-    for (int64_t r = 0; r < S; ++r)
-      rms_norm(hc.data_ptr<float>() + r * H, attn_norm_.data_ptr<float>(), x.data_ptr<float>() + r * H, H, eps_);
+    rms_norm_rows(hc.data_ptr<float>(), attn_norm_.data_ptr<float>(), x.data_ptr<float>(), S, H, eps_);
     const at::Tensor qkv = lin_[0](x);  // [S, (NH + 2 NKV) D]
     const int64_t W = (NH + 2 * NKV) * D;
     at::Tensor attn = at::empty({S, NH * D}, h.options());
@@ -126,16 +139,18 @@ class DecodeLayer {
       float* V = vc.data_ptr<float>();
       qs[g] = at::empty({1, NH, n, D}, h.options());
       float* qo = qs[g].data_ptr<float>();
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t r = first + i;
-        TORCH_CHECK(slot[r] < len, "DecodeLayer: slot past the cache");
-        const float* row = qkv.data_ptr<float>() + r * W;
-        for (int64_t j = 0; j < NH; ++j) rope(row + j * D, cs + r * D, sg + r * D, qo + (j * n + i) * D, D);
-        for (int64_t j = 0; j < NKV; ++j) {
-          rope(row + (NH + j) * D, cs + r * D, sg + r * D, K + j * ks + slot[r] * D, D);
-          std::copy(row + (NH + NKV + j) * D, row + (NH + NKV + j + 1) * D, V + j * vs + slot[r] * D);
+      for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[first + i] < len, "DecodeLayer: slot past the cache");
+      at::parallel_for(0, n, std::max<int64_t>(1, kGrain / W), [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t r = first + i;
+          const float* row = qkv.data_ptr<float>() + r * W;
+          for (int64_t j = 0; j < NH; ++j) rope(row + j * D, cs + r * D, sg + r * D, qo + (j * n + i) * D, D);
+          for (int64_t j = 0; j < NKV; ++j) {
+            rope(row + (NH + j) * D, cs + r * D, sg + r * D, K + j * ks + slot[r] * D, D);
+            std::copy(row + (NH + NKV + j) * D, row + (NH + NKV + j + 1) * D, V + j * vs + slot[r] * D);
+          }
         }
-      }
+      });
       firsts[g] = first;
       if (attends_alone(g))
         for (int64_t i = 0; i < n; ++i) alone.emplace_back(g, i);
@@ -158,20 +173,25 @@ class DecodeLayer {
       attn.narrow(0, firsts[g], rows[g]).copy_(out.transpose(1, 2).reshape({rows[g], NH * D}));
     }
     at::Tensor out = hc.view({S, H}) + lin_[1](attn);
-    for (int64_t r = 0; r < S; ++r)
-      rms_norm(out.data_ptr<float>() + r * H, mlp_norm_.data_ptr<float>(), x.data_ptr<float>() + r * H, H, eps_);
-    const at::Tensor gu = lin_[2](x);  // [S, 2 I]
-    const int64_t I = gu.size(1) / 2;
-    at::Tensor act = at::empty({S, I}, h.options());
-    // the gate's exp per element is scalar libm: split rows across threads once there are enough of them
-    at::parallel_for(0, S, std::max<int64_t>(1, kSiluGrain / I), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* g = gu.data_ptr<float>() + r * 2 * I;
-        float* a = act.data_ptr<float>() + r * I;
-        for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
-      }
-    });
-    out.add_(lin_[3](act));
+    rms_norm_rows(out.data_ptr<float>(), mlp_norm_.data_ptr<float>(), x.data_ptr<float>(), S, H, eps_);
+    // the MLP a chunk of rows at a time: a long prompt's gate/up output past glibc's mmap threshold (32 MB;
+    // Qwen2.5-1.5B, 512 rows: 37 MB) came back as fresh pages, faulted in on every layer (+35% on that product)
+    const int64_t chunk = std::max<int64_t>(1, kMlpBytes / (lin_[2].outputs() * 4));
+    for (int64_t c0 = 0; c0 < S; c0 += chunk) {
+      const int64_t n = std::min(chunk, S - c0);
+      const at::Tensor gu = lin_[2](x.narrow(0, c0, n));  // [n, 2 I]
+      const int64_t I = gu.size(1) / 2;
+      at::Tensor act = at::empty({n, I}, h.options());
+      // the gate's exp per element is scalar libm: split rows across threads once there are enough of them
+      at::parallel_for(0, n, std::max<int64_t>(1, kGrain / I), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* g = gu.data_ptr<float>() + r * 2 * I;
+          float* a = act.data_ptr<float>() + r * I;
+          for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+        }
+      });
+      out.narrow(0, c0, n).add_(lin_[3](act));
+    }
     return out.view({1, S, H});
   }
 

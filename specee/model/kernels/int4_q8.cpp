@@ -44,9 +44,8 @@ float round_even(float v) {
 }
 
 // Row by row, block by block: the same scalar operations at every level (what the tests rebuild).
-void quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* ds) {
-  const int64_t G = K / kGroup;
-  for (int64_t i = 0; i < M * G; ++i) {
+void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* ds) {
+  for (int64_t i = 0; i < blocks; ++i) {
     const float* xb = x + i * kGroup;
     float amax = 0.f;
     for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xb[k]));
@@ -60,6 +59,34 @@ void quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* 
     d[i] = step;
     ds[i] = step * static_cast<float>(sum);
   }
+}
+
+#ifdef SPECEE_X86
+// quantize's results bit for bit, 16 inputs an instruction (a prompt's rows took as long to quantize
+// one at a time as to multiply): vmaxps returns its second operand where the first is NaN, so NaN
+// inputs drop out of the maximum as from std::max(amax, |x|); vcvtps2dq rounds as _mm_cvtss_si32
+// (the MXCSR's nearest even, INT_MIN for NaN) and vpmovdb keeps the low byte as the int8 cast.
+SPECEE_INT4_AVX512 void quantize_avx512(const float* x, int64_t blocks, int8_t* q, float* d, float* ds) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i < blocks; ++i) {
+    const __m512 a = _mm512_loadu_ps(x + i * kGroup), b = _mm512_loadu_ps(x + i * kGroup + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(b), _mm512_max_ps(_mm512_abs_ps(a), zero)));
+    const float step = amax / 127.f, inv = step != 0.f ? 1.f / step : 0.f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtepi32_epi8(qb));
+    d[i] = step;
+    ds[i] = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  }
+}
+#endif
+
+decltype(&quantize) quantize_at(int64_t level) {
+#ifdef SPECEE_X86
+  if (level == kAvx512) return quantize_avx512;
+#endif
+  return quantize;
 }
 
 #ifdef SPECEE_X86
@@ -207,6 +234,7 @@ void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const Q8& x, i
 }
 
 constexpr int kMaxRows = 8;  // a verification pass's rows share each tile's unpacking
+constexpr int64_t kQuantizeGrain = 16384;  // activations worth quantizing in a parallel region
 constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr,     rows_at<1>, rows_at<2>, rows_at<3>, rows_at<4>,
                                                        rows_at<5>, rows_at<6>, rows_at<7>, rows_at<8>};
 
@@ -217,18 +245,26 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   const int64_t M = xf.size(0), K = xf.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * G), ds(M * G);
-  quantize(xf.data_ptr<float>(), M, K, q.data(), d.data(), ds.data());
-  at::Tensor y = at::zeros({M, N}, at::kFloat);  // every path adds each group into it
+  const float* xp = xf.data_ptr<float>();
+  auto* const quantize_rows = quantize_at(level);
+  at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K), [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp + r0 * K, (r1 - r0) * G, q.data() + r0 * K, d.data() + r0 * G, ds.data() + r0 * G);
+  });
+  at::Tensor y = at::empty({M, N}, at::kFloat);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t r = 0; r < M; r += kMaxRows) {
-        const Q8 rows{q.data() + r * K, d.data() + r * G, ds.data() + r * G};
-        kRows[std::min<int64_t>(kMaxRows, M - r)](level, w + b * (K / 4) * 128, sz + b * G * 128, rows, K,
-                                                  out + r * N + b * 64, N);
-      }
+  // units of (64-output block, up to kMaxRows rows), block by block (its weights stay in cache over its
+  // rows): the threads split a prompt's rows, not only its blocks (SmolLM2's 9 or 15 blocks of 64 outputs
+  // left one of two threads idle a tenth of the time)
+  const int64_t chunks = (M + kMaxRows - 1) / kMaxRows;
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / chunks, r = u % chunks * kMaxRows, R = std::min<int64_t>(kMaxRows, M - r);
+      for (int64_t i = r; i < r + R; ++i) std::fill_n(out + i * N + b * 64, 64, 0.f);  // every path adds into it
+      const Q8 rows{q.data() + r * K, d.data() + r * G, ds.data() + r * G};
+      kRows[R](level, w + b * (K / 4) * 128, sz + b * G * 128, rows, K, out + r * N + b * 64, N);
+    }
   });
   return y;
 }
