@@ -42,6 +42,12 @@ SPECEE_INT4_AVX2 inline __m256 bf16x8_to_float(const uint16_t* p) {
 }
 #endif
 
+// Activations x [M, K] float32 quantized per block of 32 to int8 at `level`, rows split between
+// threads (int4_q8.cpp; kquant.cpp too): q [M, K], per block d = max|x| / 127 and d times the
+// block's sum of q, and, if s16 is not null, the int32 sums of q per 16 inputs [M, K / 16].
+void quantize_activations(const float* x, int64_t M, int64_t K, int64_t level, int8_t* q, float* d, float* ds,
+                          int32_t* s16);
+
 // int8 activations (int4_q8.cpp): x [M, K] float32 or bf16 times the packed weight, float32 [M, N].
 at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t level);
 

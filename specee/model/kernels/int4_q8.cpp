@@ -43,21 +43,23 @@ float round_even(float v) {
 #endif
 }
 
-// Row by row, block by block: the same scalar operations at every level (what the tests rebuild).
-void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* ds) {
+// Row by row, block by block: the same scalar operations at every level (what the tests rebuild);
+// s16 (if not null): the int32 sums of q per 16 inputs (kquant.cpp's Q6_K halves).
+void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* ds, int32_t* s16) {
   for (int64_t i = 0; i < blocks; ++i) {
     const float* xb = x + i * kGroup;
     float amax = 0.f;
     for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xb[k]));
     const float step = amax / 127.f, inv = step != 0.f ? 1.f / step : 0.f;
-    int32_t sum = 0;
+    int32_t half[2] = {0, 0};
     for (int64_t k = 0; k < kGroup; ++k) {
       const int32_t v = static_cast<int32_t>(round_even(xb[k] * inv));
       q[i * kGroup + k] = static_cast<int8_t>(v);
-      sum += v;
+      half[k / 16] += v;
     }
     d[i] = step;
-    ds[i] = step * static_cast<float>(sum);
+    ds[i] = step * static_cast<float>(half[0] + half[1]);
+    if (s16) s16[2 * i] = half[0], s16[2 * i + 1] = half[1];
   }
 }
 
@@ -66,7 +68,7 @@ void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* ds) {
 // one at a time as to multiply): vmaxps returns its second operand where the first is NaN, so NaN
 // inputs drop out of the maximum as from std::max(amax, |x|); vcvtps2dq rounds as _mm_cvtss_si32
 // (the MXCSR's nearest even, INT_MIN for NaN) and vpmovdb keeps the low byte as the int8 cast.
-SPECEE_INT4_AVX512 void quantize_avx512(const float* x, int64_t blocks, int8_t* q, float* d, float* ds) {
+SPECEE_INT4_AVX512 void quantize_avx512(const float* x, int64_t blocks, int8_t* q, float* d, float* ds, int32_t* s16) {
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
     const __m512 a = _mm512_loadu_ps(x + i * kGroup), b = _mm512_loadu_ps(x + i * kGroup + 16);
@@ -76,8 +78,10 @@ SPECEE_INT4_AVX512 void quantize_avx512(const float* x, int64_t blocks, int8_t* 
     const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtepi32_epi8(qb));
+    const int32_t sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
     d[i] = step;
-    ds[i] = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    ds[i] = step * static_cast<float>(sa + sb);
+    if (s16) s16[2 * i] = sa, s16[2 * i + 1] = sb;
   }
 }
 #endif
@@ -240,16 +244,21 @@ constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr,     rows_at<1>, 
 
 }  // namespace
 
+void quantize_activations(const float* x, int64_t M, int64_t K, int64_t level, int8_t* q, float* d, float* ds,
+                          int32_t* s16) {
+  const int64_t G = K / kGroup;
+  auto* const quantize_rows = quantize_at(level);
+  at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K), [&](int64_t r0, int64_t r1) {
+    quantize_rows(x + r0 * K, (r1 - r0) * G, q + r0 * K, d + r0 * G, ds + r0 * G, s16 ? s16 + r0 * 2 * G : nullptr);
+  });
+}
+
 at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t level) {
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // bf16 widens exactly
   const int64_t M = xf.size(0), K = xf.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * G), ds(M * G);
-  const float* xp = xf.data_ptr<float>();
-  auto* const quantize_rows = quantize_at(level);
-  at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K), [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp + r0 * K, (r1 - r0) * G, q.data() + r0 * K, d.data() + r0 * G, ds.data() + r0 * G);
-  });
+  quantize_activations(xf.data_ptr<float>(), M, K, level, q.data(), d.data(), ds.data(), nullptr);
   at::Tensor y = at::empty({M, N}, at::kFloat);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());

@@ -59,34 +59,6 @@ struct Act {
   Act rows_from(int64_t r) const { return {xq + r * K, xd + r * (K / 32), xds + r * (K / 32), xs16 + r * (K / 16), K}; }
 };
 
-float round_even(float v) {
-#ifdef SPECEE_X86
-  return static_cast<float>(_mm_cvtss_si32(_mm_set_ss(v)));  // the MXCSR's rounding: nearest even
-#else
-  return std::nearbyint(v);
-#endif
-}
-
-// int4_q8.cpp's quantization (d = max|x| / 127, x_q = round(x * (1 / d)) to nearest even), adding
-// the sums per 16 inputs that Q6_K's halves need.
-void quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* ds, int32_t* s16) {
-  for (int64_t i = 0; i < M * K / kGroup; ++i) {
-    const float* xb = x + i * kGroup;
-    float amax = 0.f;
-    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xb[k]));
-    const float step = amax / 127.f, inv = step != 0.f ? 1.f / step : 0.f;
-    int32_t half[2] = {0, 0};
-    for (int64_t k = 0; k < kGroup; ++k) {
-      const int32_t v = static_cast<int32_t>(round_even(xb[k] * inv));
-      q[i * kGroup + k] = static_cast<int8_t>(v);
-      half[k / 16] += v;
-    }
-    d[i] = step;
-    ds[i] = step * static_cast<float>(half[0] + half[1]);
-    s16[2 * i] = half[0], s16[2 * i + 1] = half[1];
-  }
-}
-
 float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // ---- portable: 16 lanes in plain loops ------------------------------------------------------------
@@ -232,7 +204,7 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * K / kGroup), ds(M * K / kGroup);
   std::vector<int32_t> s16(M * K / 16);
-  quantize(xf.data_ptr<float>(), M, K, q.data(), d.data(), ds.data(), s16.data());
+  specee_int4::quantize_activations(xf.data_ptr<float>(), M, K, int4_level(), q.data(), d.data(), ds.data(), s16.data());
   const Act act{q.data(), d.data(), ds.data(), s16.data(), K};
   at::Tensor y = at::zeros({M, N}, at::kFloat);  // each super-block adds into it
   const uint8_t* w = packed.data_ptr<uint8_t>();
