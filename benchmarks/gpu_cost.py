@@ -22,7 +22,7 @@ import torch
 
 from specee.bench.timing import count_host_reads
 from specee.engine.engine import Engine
-from specee.engine.runner import Segment
+from specee.engine.runner import Segment, run_checks
 from specee.engine.sequence import Sequence
 from specee.exit.bank import PredictorBank
 from specee.exit.controller import ExitController
@@ -125,11 +125,11 @@ def predictor_cost(model: Transformer, repeats: int, k: int = 4, hidden: int = 1
     exits = ExitController(model, bank, bank.thresholds)
     h = torch.randn(1, model.cfg.hidden_size, device=dev, dtype=model.dtype)
     exits.begin_pass(torch.arange(k, device=dev)[None], torch.empty(0, dtype=torch.long, device=dev), 0)
-    exits.try_exit(L // 2, h, h)
+    run_checks({0: exits.check(L // 2, h, h)})
     sync(dev)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        exits.try_exit(L // 2, h, h)
+        run_checks({0: exits.check(L // 2, h, h)})
     sync(dev)
     return {"seconds_per_check": round((time.perf_counter() - t0) / repeats, 6)}
 
