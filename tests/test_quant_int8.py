@@ -175,6 +175,25 @@ def test_every_level_quantizes_nan_and_inf_activations_alike(int8):
         torch.testing.assert_close(out, outs[0], rtol=0, atol=0, equal_nan=True, msg=name)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_activation_makes_its_row_non_finite_and_no_other(int8, bad):
+    """Rounded to int8, a NaN became code 0 (and INT_MIN in its block's sum): finite garbage that the
+    engine's non-finite check could not see. Now its block's step is NaN, at every level."""
+    lin, x = exact_case(256, 6, seed=4, unit_scales=True)
+    clean = lin(x)
+    x[2, 40] = bad
+    before = kernels.use_level(reachable_levels()[0])
+    try:
+        for name in reachable_levels():
+            kernels.use_level(name)
+            out = lin(x)
+            assert not out[2].isfinite().any(), name
+            assert torch.equal(out[[0, 1, 3, 4, 5]], clean[[0, 1, 3, 4, 5]]), name
+    finally:
+        kernels.use_level(before)
+
+
 @pytest.mark.parametrize("N,K", [(192, 1024), (64, 96)])
 @torch.inference_mode()
 def test_random_products_within_float32_rounding_and_rows_identical(level, N, K):

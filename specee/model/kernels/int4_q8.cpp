@@ -44,12 +44,18 @@ float round_even(float v) {
 }
 
 // Row by row, block by block: the same scalar operations at every level (what the tests rebuild);
-// s16 (if not null): the int32 sums of q per 16 inputs (kquant.cpp's Q6_K halves).
+// s16 (if not null): the int32 sums of q per 16 inputs (kquant.cpp's Q6_K halves). A block holding
+// NaN or Inf gets d = NaN, so its row's outputs are NaN (the engine ends that request with an
+// error): rounded, a NaN became code 0 and INT_MIN in the sum, finite numbers no check could see.
 void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* ds, int32_t* s16) {
   for (int64_t i = 0; i < blocks; ++i) {
     const float* xb = x + i * kGroup;
     float amax = 0.f;
-    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    bool finite = true;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      amax = std::max(amax, std::fabs(xb[k]));
+      finite = finite && std::isfinite(xb[k]);
+    }
     const float step = amax / 127.f, inv = step != 0.f ? 1.f / step : 0.f;
     int32_t half[2] = {0, 0};
     for (int64_t k = 0; k < kGroup; ++k) {
@@ -57,8 +63,8 @@ void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* ds, in
       q[i * kGroup + k] = static_cast<int8_t>(v);
       half[k / 16] += v;
     }
-    d[i] = step;
-    ds[i] = step * static_cast<float>(half[0] + half[1]);
+    d[i] = finite ? step : NAN;
+    ds[i] = d[i] * static_cast<float>(half[0] + half[1]);
     if (s16) s16[2 * i] = half[0], s16[2 * i + 1] = half[1];
   }
 }
@@ -79,8 +85,11 @@ SPECEE_INT4_AVX512 void quantize_avx512(const float* x, int64_t blocks, int8_t* 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtepi32_epi8(qb));
     const int32_t sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
-    d[i] = step;
-    ds[i] = step * static_cast<float>(sa + sb);
+    // x - x is NaN exactly where x is NaN or Inf
+    const bool finite = (_mm512_cmp_ps_mask(_mm512_sub_ps(a, a), zero, _CMP_UNORD_Q) |
+                         _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_UNORD_Q)) == 0;
+    d[i] = finite ? step : NAN;
+    ds[i] = d[i] * static_cast<float>(sa + sb);
     if (s16) s16[2 * i] = sa, s16[2 * i + 1] = sb;
   }
 }
