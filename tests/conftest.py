@@ -3,6 +3,7 @@ checkpoints built with transformers (built once per session, in a temporary dire
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 from pathlib import Path
 
@@ -23,6 +24,16 @@ def no_tuned_profiles(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECEE_TUNE_DIR", str(tmp_path_factory.mktemp("no-tuned-profiles")))
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collect_after_module():
+    """Free a module's models when it ends. Tests leave LLMs and transformers models in reference
+    cycles that only a full collection frees; each LLM reserves a 1 GiB KV pool (untouched, so
+    cheap), and after ~40 modules the reserved memory exceeded RAM, so the Ray test's fork
+    failed with ENOMEM."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="module")

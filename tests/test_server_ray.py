@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -27,22 +29,34 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
+    """A one-node cluster started by `ray start`, as a user starts one, then joined. The head's
+    processes are spawned by `ray start`, not forked from this test process, whose gigabytes of
+    reserved model memory made Ray's fork fail with ENOMEM in CI."""
     from ray import serve
 
     from specee.server.ray_serve import run
 
-    port = free_port()
+    port, gcs_port = free_port(), free_port()
     args = build_parser().parse_args(["serve", "--model", str(real_model_dir("stories260K")), "--ray",
                                       "--replicas", "2", "--port", str(port), "--served-model-name", "tiny"])
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="warning",
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_AUTH_MODE", "disabled")  # a throwaway cluster on loopback (read by `ray start` and ray.init)
     try:
+        subprocess.run([*ray_cli, "start", "--head", "--port", str(gcs_port), "--node-ip-address", "127.0.0.1",
+                        "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
+                       check=True, timeout=120)
+        ray.init(address=f"127.0.0.1:{gcs_port}", _node_ip_address="127.0.0.1", logging_level="warning",
+                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
         run({k: v for k, v in vars(args).items() if k != "func"}, {"model_name": "tiny"}, replicas=2,
             host="127.0.0.1", port=port, blocking=False)
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        subprocess.run([*ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+        mp.undo()
 
 
 def ask(client) -> str:

@@ -143,3 +143,26 @@ def test_a_batch_reaches_the_engine_together(llm, monkeypatch):
     monkeypatch.setattr(engine, "step", step)
     llm.generate(PROMPTS[:4], SamplingParams(max_tokens=4))
     assert sizes[0] == 4, sizes
+
+
+@pytest.mark.parametrize("release", ["dropped", "closed"])
+def test_an_llm_dropped_or_closed_stops_its_thread_and_frees_its_engine(release):
+    """The engine thread must not hold the LLM: a dropped LLM's thread, weights and KV pool were
+    kept for the life of the process (tens of GB of reserved pools in a test run, and then a fork
+    for Ray failed with ENOMEM)."""
+    import gc
+    import weakref
+
+    llm = LLM(real_model_dir("stories260K"), dtype="float32")
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].text
+    thread, engine = llm.worker._thread, weakref.ref(llm.engine)
+    if release == "closed":
+        llm.close()
+        assert not thread.is_alive()
+        assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].text  # a new thread starts
+        thread = llm.worker._thread
+    del llm
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert engine() is None

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -335,9 +336,25 @@ class LLM:
         the caller's torch thread count."""
         with _WORKER_LOCK:
             if getattr(self, "_worker", None) is None:
-                self._worker = EngineThread(self.engine, validate=lambda s: self.engine.check(s))
+                self._worker = EngineThread(self.engine)
+                # the thread holds the engine, never the LLM: an LLM nobody holds stops its thread and
+                # frees the weights and the KV pool (a leaked pool also made every later fork fail)
+                self._stop_worker = weakref.finalize(self, self._worker.stop)
         self._worker.num_threads = torch.get_num_threads()
         return self._worker
+
+    def close(self) -> None:
+        """Stop the engine thread (aborting what is in flight); a later request starts a new one."""
+        with _WORKER_LOCK:
+            if getattr(self, "_worker", None) is not None:
+                self._stop_worker()
+                self._worker = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def teacher_forced(self, prompt_ids: list[int], continuation: list[int]) -> list[TeacherForcedStep]:
         """What early exit would emit at each position of a fixed continuation (see EarlyExitDecoding)."""

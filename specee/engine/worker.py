@@ -90,12 +90,12 @@ class RequestHandle:
 class EngineThread:
     """Runs `engine.step()` in a daemon thread while requests are in flight, sleeping otherwise.
 
-    validate(seq): checks run on this thread before `add_request` (a request that cannot run fails
-    alone). Every submitted request goes to the engine at the next step; the engine's scheduler
-    decides when it runs (`max_num_seqs`, the KV-cache budget)."""
+    Each request is checked (`engine.check`) on this thread before `add_request`, so one that
+    cannot run fails alone. Every submitted request goes to the engine at the next step; the
+    engine's scheduler decides when it runs (`max_num_seqs`, the KV-cache budget)."""
 
-    def __init__(self, engine, validate: Callable[[Sequence], None] | None = None, name: str = "specee-engine"):
-        self.engine, self.validate = engine, validate
+    def __init__(self, engine, name: str = "specee-engine"):
+        self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[RequestHandle] = deque()  # submitted, not yet given to the engine
         self._running: dict[str, RequestHandle] = {}  # given to the engine, not yet ended
@@ -132,9 +132,10 @@ class EngineThread:
         return len(self._running)
 
     def stop(self, timeout: float | None = None) -> None:
-        """End the thread after aborting what is in flight."""
+        """End the thread after aborting what is in flight (from the thread itself: without waiting)."""
         self._commands.put(("stop", None))
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     # ---- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
@@ -186,8 +187,7 @@ class EngineThread:
             handle = self._waiting.popleft()
 
             def add(seq=handle.seq) -> None:
-                if self.validate is not None:
-                    self.validate(seq)
+                self.engine.check(seq)
                 self.engine.add_request(seq)
             if self._guard(add, [handle], "admission") and not handle.seq.finished:
                 self._running[handle.request_id] = handle
