@@ -1,6 +1,8 @@
 """The user-facing API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import sys
@@ -113,6 +115,23 @@ def merged_config(config: EarlyExitConfig, speculative_config: dict) -> EarlyExi
     return replace(config, num_draft_tokens=spec.num_speculative_tokens)
 
 
+def _collector_paused(load):
+    """Run `load` with Python's cyclic collector paused (and restored as it was, also on an error).
+    Loading makes ~700k long-lived objects (a GGUF vocabulary's metadata: a memmap per entry), and
+    the collections triggered while they pile up walk them all again: SmolLM2 Q4_1 loaded in 5.6 s
+    instead of 7.3 s (AMD EPYC, 2 threads)."""
+    @functools.wraps(load)
+    def paused(*args, **kwargs):
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return load(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+    return paused
+
+
 class LLM:
     """A loaded target model; with `early_exit`, decoding uses SpecEE early exiting.
 
@@ -132,6 +151,7 @@ class LLM:
     when another process is busy).
     """
 
+    @_collector_paused
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                  early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
                  quantization: str | None = "auto", speculative_config: dict | None = None,
