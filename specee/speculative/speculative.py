@@ -84,6 +84,11 @@ class SpecState:
     tree: Tree | None = None
     start: int = 0  # the slot of x_n in this step
 
+    @property
+    def plain(self) -> bool:
+        """No draft this step: the request runs full depth's row and choice."""
+        return self.tree is None and self.draft is None
+
 
 class SpeculativeDecoding(FullDepth):
     """Chains of `num_tokens` drafts, or trees of `tree`, from forks of `drafter`."""
@@ -158,13 +163,13 @@ class SpeculativeDecoding(FullDepth):
         room = self.room(r) if self.drafting else 0  # no drafts: full depth's row
         t0 = device_time(model.device)
         last = torch.tensor([r.last], device=model.device)
-        if st.tree is None and st.draft is None and room > 0:  # not drafted with the others in begin_step
+        if st.plain and room > 0:  # not drafted with the others in begin_step
             if self.grower is not None and room >= self.grower.shape.depth:
                 st.tree = self.grower.grow(last, st.drafter, [st.drafter])[0]
             if st.tree is None:
                 st.draft = st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width)
             st.stats.draft_seconds += device_time(model.device) - t0
-        if st.tree is None and st.draft is None:  # no drafts this step: full depth's own row and choice
+        if st.plain:  # full depth's own row (FullDepth.plan's, with the tensor made above)
             return Segment(last, r.cache, model.range_inputs(n, 1))
         if st.tree is not None:
             return Segment(st.tree.tokens, r.cache, tree_inputs(model, st.tree, n))
@@ -172,21 +177,18 @@ class SpeculativeDecoding(FullDepth):
 
     def choose(self, r: Running, logits: torch.Tensor) -> torch.Tensor:
         st = r.state
-        if st.tree is None and st.draft is None:
-            return sample(logits, r.seq.params, r.generator)  # [t_0]
+        if st.plain:
+            return super().choose(r, logits)  # [t_0]
         if st.tree is not None:  # [a, path (D + 1), tokens (D + 1)]
             return accept_tree(st.tree, sample(logits, r.seq.params, r.generator))
         return verify_chain(st.draft.tokens, st.draft.probs, logits, r.seq.params, r.generator)  # [a, t_0..t_k]
 
     def commit(self, r: Running, verdict: list[int], features: torch.Tensor | None) -> list[int]:
         st, n = r.state, r.state.start
-        if st.tree is None and st.draft is None:  # a plain row: [t_0]
-            r.cache.length = n + 1
-            st.stats.record(0, 0)
-            st.drafter.commit(verdict, 0, None if features is None else features[None])
-            return verdict
-        accepted = verdict[0]
-        if st.tree is not None:
+        accepted = 0 if st.plain else verdict[0]
+        if st.plain:  # [t_0]
+            emitted, drafted = super().commit(r, verdict, features), 0
+        elif st.tree is not None:
             D = st.tree.depth
             path = verdict[1 : 2 + accepted]  # tree rows of x_n and the accepted nodes
             compact(r.cache, n, torch.tensor(path, device=self.model.device))
