@@ -184,3 +184,19 @@ def test_greedy_k_quant_gguf_model_equals_its_fake_quantized_twin(tmp_path, leve
     best = want.topk(8).indices  # those the quantized head recomputes exactly (the rest: its int4 ranker's)
     assert float((first[best] - want[best]).abs().max()) <= 0.02 * float(want.abs().max())  # before tokens can part
     assert_same_greedy(model, prompt, 24, rtol=0.02)
+
+
+def test_a_tile_entry_outside_the_packed_bytes_is_refused(monkeypatch):
+    """The tiles are checked once, when the linear is built (not in every product of the decode loop)."""
+    import specee.model.quant_gguf as quant_gguf
+
+    w = random_blocks(T.Q4_K, 32, 256, seed=0)
+    assert KQuantLinear([w], None, kernel()).tiles.shape == (2, 4)
+    real = quant_gguf.interleave
+
+    def past_the_end(blocks, at, qtype):
+        packed, rows = real(blocks, at, qtype)
+        return packed, [(base + packed.size, *rest) for base, *rest in rows]
+    monkeypatch.setattr(quant_gguf, "interleave", past_the_end)
+    with pytest.raises(RuntimeError, match="tile 0 is not a Q4_K or Q6_K tile inside the packed bytes"):
+        KQuantLinear([w], None, kernel())

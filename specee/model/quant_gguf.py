@@ -119,6 +119,7 @@ class KQuantLinear(_KernelLinear):
             offset += blocks.size
         self.packed = torch.from_numpy(np.concatenate(packed))
         self.tiles = torch.tensor(tiles, dtype=torch.int64)
+        kernel.kquant_check(self.packed, self.tiles, self.in_features)  # once here, not in every product
 
     def _kernel_input(self, x2d: torch.Tensor) -> torch.Tensor:
         """float32 and bf16 go in as they are: the kernel quantizes them itself."""

@@ -188,19 +188,25 @@ int64_t block_bytes(int64_t type) { return type == kQ6K ? kQ6Bytes : kQ4Bytes; }
 
 }  // namespace
 
-at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles) {
-  const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();  // bf16 widens exactly
-  const int64_t M = xf.size(0), K = xf.size(1), T = tiles.size(0), N = 16 * T;
-  TORCH_CHECK(xf.dim() == 2 && K % 256 == 0 && tiles.dim() == 2 && tiles.size(1) == 4 && tiles.is_contiguous() &&
+void kquant_check(const at::Tensor& packed, const at::Tensor& tiles, int64_t K) {
+  TORCH_CHECK(K % 256 == 0 && tiles.dim() == 2 && tiles.size(1) == 4 && tiles.is_contiguous() &&
                   tiles.scalar_type() == at::kLong && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "kquant_mm: activations [M, K] with K a multiple of 256, tiles int64 [T, 4], packed uint8");
+              "kquant: K a multiple of 256, tiles int64 [T, 4], packed uint8");
   const int64_t* tile = tiles.data_ptr<int64_t>();
-  for (int64_t i = 0; i < T; ++i) {
+  for (int64_t i = 0; i < tiles.size(0); ++i) {
     const int64_t* e = tile + 4 * i;  // base, type, g, j
     TORCH_CHECK((e[1] == kQ4K || e[1] == kQ6K) && e[0] >= 0 && e[2] >= 1 && e[2] <= kGroupTiles && e[3] >= 0 &&
                     e[3] < e[2] && e[0] + e[2] * block_bytes(e[1]) * (K / 256) <= packed.numel(),
-                "kquant_mm: tile ", i, " is not a Q4_K or Q6_K tile inside the packed bytes");
+                "kquant: tile ", i, " is not a Q4_K or Q6_K tile inside the packed bytes");
   }
+}
+
+at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles) {
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();  // bf16 widens exactly
+  const int64_t M = xf.size(0), K = xf.size(1), T = tiles.size(0), N = 16 * T;
+  TORCH_CHECK(xf.dim() == 2 && K % 256 == 0 && tiles.dim() == 2 && tiles.size(1) == 4,
+              "kquant_mm: activations [M, K] with K a multiple of 256, tiles [T, 4] (each checked once: kquant_check)");
+  const int64_t* tile = tiles.data_ptr<int64_t>();
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * K / kGroup), ds(M * K / kGroup);
   std::vector<int32_t> s16(M * K / 16);

@@ -7,3 +7,7 @@
 // offset of its group's first super-block in packed, GGUF type: 12 Q4_K / 14 Q6_K, tiles in its
 // group, its place there) for outputs 16 t .. 16 t + 15 (layout: kquant.cpp). float32 [M, 16 T].
 at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles);
+
+// Every tile's entry is a Q4_K / Q6_K tile inside packed, for inputs of width K: checked once when a
+// linear is built (model/quant_gguf.py), not on every product of the decode loop.
+void kquant_check(const at::Tensor& packed, const at::Tensor& tiles, int64_t K);
