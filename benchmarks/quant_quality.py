@@ -13,8 +13,9 @@ Per path: agreement = share of positions where its argmax is the float32 model's
 interval), perplexity of the next token on each source, and, paired with llama.cpp on the same
 positions, b (this path agrees, llama.cpp not) / c (the reverse) with the exact McNemar p-value.
 
-Paths: QUANT[/ACTS] runs specee with quantization=QUANT (auto, int4 or int8; ACTS: the int4
-kernel's activations, bf16 or int8, else kernels.DEFAULT_ACTIVATIONS), `bf16` the whole model in bfloat16, `llama.cpp` llama-cpp-python
+Paths: QUANT[/ACTS][:KV] runs specee with quantization=QUANT (auto, int4 or int8; ACTS: the int4
+kernel's activations, bf16 or int8, else kernels.DEFAULT_ACTIVATIONS; KV: kv_cache_dtype, float16 or
+float32, else auto), `bf16` the whole model in bfloat16, `llama.cpp` llama-cpp-python
 (run under --llama-python, a separate environment, as a subprocess of this script).
 """
 from __future__ import annotations
@@ -101,15 +102,16 @@ def run(args) -> None:
 
 
 def load(model: str, path: str):
-    """specee for a path name: float32, bf16, or QUANT[/ACTS] (ACTS set for every int4 product)."""
+    """specee for a path name: float32, bf16, or QUANT[/ACTS][:KV] (ACTS set for every int4 product)."""
     from specee import LLM
     from specee.model import kernels
 
     if path in ("float32", "bf16"):
         return LLM(model, dtype="float32" if path == "float32" else "bfloat16", quantization=None, progress=False)
+    path, _, kv = path.partition(":")
     quant, _, acts = path.partition("/")
     kernels.use_activations(acts or kernels.DEFAULT_ACTIVATIONS)
-    return LLM(model, dtype="float32", quantization=quant, progress=False)
+    return LLM(model, dtype="float32", quantization=quant, progress=False, kv_cache_dtype=kv or "auto")
 
 
 def positions(ref, args) -> tuple[list[tuple[list[int], int]], list[str]]:

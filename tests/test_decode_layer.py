@@ -195,12 +195,14 @@ ATTENTION_SHAPES = {"llama3 fixture": None, "smollm2-like": (6, 2, 64), "qwen-0.
                     "qwen-1.5b-like": (12, 2, 128)}
 
 
+@pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("shape", list(ATTENTION_SHAPES))
 @torch.inference_mode()
-def test_single_row_attention_matches_atens_within_float_rounding(tmp_path, shape):
+def test_single_row_attention_matches_atens_within_float_rounding(tmp_path, shape, kv):
     """The C++ layer's one-row attention (row_attention.cpp on AVX-512; ATen elsewhere) against the
     Python layer's (ATen's scaled dot-product attention), on float weights so the products match:
-    decode rows and a chain's rows over a 30-token prefix, grouped-query heads of the models' shapes."""
+    decode rows and a chain's rows over a 30-token prefix, grouped-query heads of the models' shapes;
+    with a float32 cache, and a float16 one that both layers write rounded to nearest and read as float32."""
     from specee.model.kernels import cpu_kernels
     from specee.model.quant import kernel_spec
 
@@ -212,23 +214,33 @@ def test_single_row_attention_matches_atens_within_float_rounding(tmp_path, shap
         heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
         v = replace(v, config={**v.config, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
                                "head_dim": head_dim, "hidden_size": 16 * heads})  # transformers: a multiple of heads
-    model = Transformer.load(make_checkpoint(tmp_path / "m", v, seed=1), "cpu", torch.float32)
+    model = Transformer.load(make_checkpoint(tmp_path / "m", v, seed=1), "cpu", torch.float32, kv_cache_dtype=kv)
     cfg = model.cfg
+    assert model.kv_dtype == getattr(torch, kv)
     assert ATTENTION_SHAPES[shape] in (None, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
     fast = [kernels.DecodeLayer(w.attn_norm, w.mlp_norm, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads,
                                 cfg.head_dim, *map(list, zip(*(kernel_spec(x) for x in (w.qkv, w.o, w.gate_up, w.down)))))
             for w in model.layers]
     ids = torch.randint(3, cfg.vocab_size, (36,), generator=torch.Generator().manual_seed(0)).tolist()
-    outs = {}
+    outs, caches = {}, {}
     for name, layers in (("aten", None), ("cpp", fast)):
         model.fast_layers = layers
-        cache = model.new_cache(1, len(ids))
+        cache = caches[name] = model.new_cache(1, len(ids))
+        assert cache.k.dtype == getattr(torch, kv)
         prefill(model, cache, [ids[:30]])
         rows = [model.forward(torch.tensor([[ids[n]]]), model.range_inputs(n, 1), cache)[0] for n in range(30, 33)]
         rows.append(model.forward(torch.tensor([ids[33:36]]), model.range_inputs(33, 3), cache)[0])  # a chain
         outs[name] = torch.cat(rows)
     model.fast_layers = None
+    # the cache itself: layer 0's K/V (from the same embeddings) within one rounding of the cache's
+    # dtype (float16: both round to nearest even; a float32 ulp apart before can round a step apart)
+    ulp = 2**-10 if kv == "float16" else 1e-5
+    for a, b in ((caches["cpp"].k[0], caches["aten"].k[0]), (caches["cpp"].v[0], caches["aten"].v[0])):
+        torch.testing.assert_close(a.float(), b.float(), rtol=ulp, atol=1e-6 if kv == "float16" else 1e-5)
     # float32 rounding of two layers (the C++ layer's norms and sums run in another order too), relative
-    # to the hidden states' size (up to ~100 in the wider shapes, where the differences reach 3.5e-4)
-    atol = max(1e-4, 5e-6 * outs["aten"].abs().max().item())
-    torch.testing.assert_close(outs["cpp"], outs["aten"], rtol=1e-4, atol=atol)
+    # to the hidden states' size (up to ~100 in the wider shapes, where the differences reach 3.5e-4); a
+    # float16 cache turns such ulps into float16 steps (2^-11) of K/V, and layer 1 reads the differences
+    # of layer 0's attention (2.5e-4 of the scale at most, measured here; a misread head is of its order)
+    scale = outs["aten"].abs().max().item()
+    atol = max(1e-4, 5e-6 * scale) if kv == "float32" else 2e-3 * scale
+    torch.testing.assert_close(outs["cpp"], outs["aten"], rtol=1e-4 if kv == "float32" else 1e-3, atol=atol)

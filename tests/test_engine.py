@@ -317,3 +317,38 @@ def test_kv_cache_memory_flag(capsys):
     assert "raise kv_cache_memory (--kv-cache-memory)" in capsys.readouterr().err
     assert cli.main([*base, "--kv-cache-memory", "1MiB"]) == 0
     assert "8 tokens" in capsys.readouterr().err
+
+
+def test_kv_cache_dtype_is_float16_where_row_attention_reads_it_else_the_compute_dtype(checkpoints, capsys):
+    """auto: float16 on the C++ layer's AVX-512 path (the same memory then holds twice the tokens),
+    the compute dtype on the Python layer and below AVX-512; a bad choice names its flag before any work."""
+    from specee import cli
+    from specee.cli.args import KV_CACHE_DTYPES as CLI_CHOICES
+    from specee.model import kernels
+    from specee.model.kv_cache import KV_CACHE_DTYPES
+
+    assert CLI_CHOICES == KV_CACHE_DTYPES
+    float_llm = LLM(checkpoints[0], dtype="float32", quantization=None, kv_cache_memory="1MiB")
+    assert float_llm.model.kv_dtype == torch.float32 and float_llm.engine.kv.k.dtype == torch.float32
+    kernel = kernels.cpu_kernels()
+    if kernel is None:
+        pytest.skip("the C++ kernels could not be built here (no compiler)")
+    fast = kernel.row_attention_available(float_llm.model.cfg.head_dim)
+    quantized = LLM(checkpoints[0], quantization="int4", kv_cache_memory="1MiB")
+    assert quantized.model.kv_dtype == (torch.float16 if fast else torch.float32)
+    assert quantized.engine.kv.k.dtype == quantized.model.kv_dtype
+    if fast:
+        assert quantized.engine.kv.capacity >= 2 * float_llm.engine.kv.capacity - 16  # one block of rounding
+        before = kernels.use_level("avx2")
+        try:
+            assert LLM(checkpoints[0], quantization="int4").model.kv_dtype == torch.float32  # ATen reads it there
+        finally:
+            kernels.use_level(before)
+    forced = LLM(checkpoints[0], quantization="int4", kv_cache_dtype="float32")
+    assert forced.model.kv_dtype == torch.float32
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert len(forced.generate(["Tom and his friend went"], params)[0].token_ids) == 12
+    with pytest.raises(ValueError, match=r"kv_cache_dtype \(--kv-cache-dtype\)"):
+        LLM(checkpoints[0], kv_cache_dtype="int8")
+    assert cli.main(["generate", "--model", str(checkpoints[0]), "--prompt", "x", "--kv-cache-dtype", "int8"]) == 2
+    assert "--kv-cache-dtype" in capsys.readouterr().err

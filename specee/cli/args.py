@@ -13,6 +13,7 @@ REFERENCE_MODEL = "ref-target-24L"  # the project's reference target: ref-draft-
 MAX_K = 64  # speculative tokens per step (spec/config.py's MAX_SPECULATIVE_TOKENS): SpecEE uses 4
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float16", "float32")  # model/kv_cache.py's (not imported here: parsing loads no torch)
 EXIT_USAGE = 2  # bad arguments or a library error (argparse uses 2 as well)
 
 
@@ -77,6 +78,9 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastes
         g.add_argument("--kv-cache-memory", type=kv_cache_memory_arg, default=None, metavar="SIZE|TOKENS",
                        help="the KV cache pool requests share: a size (512MiB, 2GB) or a token count "
                             "(default: 1 GiB, at least one full context)")
+        g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="what the KV cache stores (default: auto = float16 where specee's AVX-512 attention reads "
+                            "it, as llama.cpp: half the memory and bytes read; else the compute dtype)")
 
 
 QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), auto (on CPU a GGUF's "
@@ -298,7 +302,8 @@ def load_llm(args: argparse.Namespace):
     try:
         llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
                   speculative_config=speculative, threads=args.threads,
-                  kv_cache_memory=getattr(args, "kv_cache_memory", None))
+                  kv_cache_memory=getattr(args, "kv_cache_memory", None),
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     except QuantizationError as e:
         raise CLIError(f"--quantization {quantization}: {e}; --quantization none runs float weights") from None
     if args.quantization:

@@ -155,7 +155,7 @@ class EagleHead:
 
     # ---- running -----------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache(self.runtime.cfg, batch_size, max_len, self.target.device, self.target.dtype)
+        return KVCache(self.runtime.cfg, batch_size, max_len, self.target.device, self.runtime.kv_dtype)
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, step: StepInputs, cache: KVCache) -> torch.Tensor:
         """features [B, S, W]: the target's features at positions p_j (W = feature_width) or the head's

@@ -38,8 +38,8 @@ class Engine:
         self.model = model
         self.decoding = decoding or FullDepth(model)
         self.runner = ModelRunner(model)
-        self.kv = KVCacheManager(model.cfg, model.device, model.dtype,
-                                 parse_kv_budget(kv_cache_memory, model.cfg, model.dtype))
+        self.kv = KVCacheManager(model.cfg, model.device, model.kv_dtype,
+                                 parse_kv_budget(kv_cache_memory, model.cfg, model.kv_dtype))
         self.scheduler = Scheduler(self.kv, model.cfg.context_limit, self.decoding.extra_rows, max_num_seqs,
                                    max_num_batched_tokens)
 

@@ -148,7 +148,8 @@ class LLM:
     the chains: method "ngram" with draft "ngram", or "draft_model" with the same model).
     threads: CPU threads (torch's setting, process-wide); None: the fastest of a few counts, timed on
     one decode step at load and rechecked between requests (engine/threads.py: it keeps the speed
-    when another process is busy).
+    when another process is busy). kv_cache_dtype: "auto" (float16 where specee's AVX-512 attention
+    reads the cache, else the compute dtype), "float16" or "float32".
     """
 
     @_collector_paused
@@ -156,7 +157,7 @@ class LLM:
                  early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
                  quantization: str | None = "auto", speculative_config: dict | None = None,
                  kv_cache_memory: int | str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 threads: int | None = None):
+                 threads: int | None = None, kv_cache_dtype: str = "auto"):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a path or a Hugging Face hub id (str or Path), got {model!r}")
         threads = check_threads(threads)
@@ -169,7 +170,7 @@ class LLM:
         if drafts := named_drafts(early_exit, speculative_config):
             check_draft_tokenizers(Tokenizer(self.model_dir), self.model_dir, drafts)
         self.quantization = quantization  # weight-only int4/int8 linears (model/quant.py); auto: a GGUF's own
-        self.model = Transformer.load(self.model_dir, dev, resolve_dtype(dtype, dev), quantization)
+        self.model = Transformer.load(self.model_dir, dev, resolve_dtype(dtype, dev), quantization, kv_cache_dtype)
         self.tokenizer = Tokenizer(self.model_dir)
         if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
             raise ValueError(f"{self.model_dir}: tokenizer has {self.tokenizer.vocab_size} tokens but the model "

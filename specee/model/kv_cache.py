@@ -12,6 +12,9 @@ import torch
 from .config import ModelConfig
 
 
+KV_CACHE_DTYPES = ("auto", "float16", "float32")  # what a cache may store (Transformer.kv_dtype_for)
+
+
 class ContextLengthError(ValueError):
     """A request does not fit the model's context window."""
 

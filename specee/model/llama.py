@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import KV_CACHE_DTYPES, KVCache
 from .gguf_blocks import GGUFWeight
 from .quant import FloatLinear, Linear, RefinedHead, kernel_spec, linear_from_parts
 from .rope import apply_rope, rope_tables, signed_sin
@@ -99,11 +99,15 @@ class Transformer:
     _no_mask = torch.empty(0, dtype=torch.bool)
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor | GGUFWeight], device: torch.device,
-                 dtype: torch.dtype, source: Path, quantization: str | None = None):
+                 dtype: torch.dtype, source: Path, quantization: str | None = None, kv_cache_dtype: str = "auto"):
         """tensors: HF-named weights, float tensors or GGUF raw blocks (GGUFWeight). quantization:
         None (float linears in `dtype`), "int4", "int8" or "auto" (see quant.linear_from_parts).
         Fused q/k/v and gate/up are quantized fused; the embedding stays float, and a tied LM head
-        gets its own quantized copy whose rows early exit can still gather."""
+        gets its own quantized copy whose rows early exit can still gather. kv_cache_dtype: see
+        `kv_dtype_for`."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {kv_cache_dtype!r}")
         self.cfg, self.device, self.dtype, self.quantization = cfg, device, dtype, quantization
         H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
@@ -158,6 +162,20 @@ class Transformer:
         # the math kernel, scores materialised): where a mask is needed there, KV heads are expanded
         self.expand_kv_for_mask = device.type == "cuda"
         self.fast_layers = self.fast_layers_for()
+        self.kv_dtype = self.kv_dtype_for(kv_cache_dtype)
+
+    def kv_dtype_for(self, choice: str) -> torch.dtype:
+        """What the KV cache stores. "auto": float16 where the C++ layer's row attention reads it (an
+        AVX-512 CPU), as llama.cpp's default: half the bytes, which bound attention with 8 requests,
+        and twice the tokens in a memory budget; elsewhere the model's dtype (the Python layer, the
+        reference, and ATen's attention, which would convert a float16 cache on every call)."""
+        if choice != "auto":
+            return getattr(torch, choice)
+        if self.fast_layers is None:
+            return self.dtype
+        from .kernels import cpu_kernels
+
+        return torch.float16 if cpu_kernels().row_attention_available(self.cfg.head_dim) else self.dtype
 
     def fast_layers_for(self) -> list | None:
         """The C++ batch-1 layers, for a quantized float32 model on the CPU where the kernel builds
@@ -185,21 +203,22 @@ class Transformer:
         runtime.cfg, runtime.layers, runtime.device, runtime.dtype = cfg, layers, device, dtype
         runtime.expand_kv_for_mask = device.type == "cuda"
         runtime.fast_layers = runtime.fast_layers_for()
+        runtime.kv_dtype = runtime.kv_dtype_for("auto")
         return runtime
 
     @classmethod
     def load(cls, source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-             quantization: str | None = None) -> "Transformer":
+             quantization: str | None = None, kv_cache_dtype: str = "auto") -> "Transformer":
         """source: a checkpoint directory (config.json + safetensors), a .gguf file, or a directory holding one.
         quantization: see __init__; a quantized GGUF's weight matrices then stay raw blocks until repacked."""
         path = local_model(source)
         if is_gguf(path):
-            reader = open_gguf(path)
-            cfg = config_from_gguf(reader, path)
-            tensors = read_gguf_state_dict(reader, cfg, path, dtype, raw_matrices=quantization is not None)
-            return cls(cfg, tensors, torch.device(device), dtype, path, quantization)
+            gguf_file = open_gguf(path)
+            cfg = config_from_gguf(gguf_file, path)
+            tensors = read_gguf_state_dict(gguf_file, cfg, path, dtype, raw_matrices=quantization is not None)
+            return cls(cfg, tensors, torch.device(device), dtype, path, quantization, kv_cache_dtype)
         cfg = ModelConfig.from_file(path / "config.json")
-        return cls(cfg, read_state_dict(path), torch.device(device), dtype, path, quantization)
+        return cls(cfg, read_state_dict(path), torch.device(device), dtype, path, quantization, kv_cache_dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of resident weights (embedding, norms, linears; not the RoPE tables or KV cache),
@@ -214,7 +233,7 @@ class Transformer:
 
     # ---- pieces of a forward pass -------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache(self.cfg, batch_size, max_len, self.device, self.dtype)
+        return KVCache(self.cfg, batch_size, max_len, self.device, self.kv_dtype)
 
     def step_inputs(self, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> StepInputs:
         """positions: [B, S] RoPE positions of the rows; slots: [S] cache slots they write."""
@@ -253,8 +272,8 @@ class Transformer:
         k = qk[:, :, cfg.num_heads :].transpose(1, 2)
         v = qkv[:, :, cfg.num_heads + cfg.num_kv_heads :].transpose(1, 2)
         k_cache, v_cache = cache.k[i], cache.v[i]
-        k_cache.index_copy_(2, step.slots, k)
-        v_cache.index_copy_(2, step.slots, v)
+        k_cache.index_copy_(2, step.slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, step.slots, v.to(v_cache.dtype))
         attn = self.attention(q, k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len], step)
         h = h + w.o(attn.transpose(1, 2).reshape(B, S, cfg.num_heads * D))
         x = F.rms_norm(h, (cfg.hidden_size,), w.mlp_norm, cfg.rms_norm_eps)
@@ -278,8 +297,8 @@ class Transformer:
             q = qk[:, rows, : cfg.num_heads].transpose(1, 2)
             k = qk[:, rows, cfg.num_heads :].transpose(1, 2)
             v = qkv[:, rows, cfg.num_heads + cfg.num_kv_heads :].transpose(1, 2)
-            k_cache.index_copy_(2, step.slots, k)
-            v_cache.index_copy_(2, step.slots, v)
+            k_cache.index_copy_(2, step.slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(2, step.slots, v.to(v_cache.dtype))
             outs.append(self.attention(q, k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len], step))
             first += n
         attn = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
@@ -289,7 +308,8 @@ class Transformer:
         return h + w.down(F.silu(gate) * up)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        """q [B, heads, S, D] over the cache's k, v [B, kv_heads, kv_len, D]."""
+        """q [B, heads, S, D] over the cache's k, v [B, kv_heads, kv_len, D] (read in q's dtype)."""
+        k, v = k.to(q.dtype), v.to(q.dtype)
         gqa = self.cfg.num_kv_heads != self.cfg.num_heads
         if gqa and step.mask is not None and self.expand_kv_for_mask:
             groups = self.cfg.num_heads // self.cfg.num_kv_heads
@@ -304,8 +324,8 @@ class Transformer:
         x = F.rms_norm(h, (cfg.hidden_size,), w.attn_norm, cfg.rms_norm_eps)
         kv = w.kv(x).view(B, S, 2 * cfg.num_kv_heads, D)
         k = apply_rope(kv[:, :, : cfg.num_kv_heads], step.cos, step.sin)
-        cache.k[i].index_copy_(2, step.slots, k.transpose(1, 2))
-        cache.v[i].index_copy_(2, step.slots, kv[:, :, cfg.num_kv_heads :].transpose(1, 2))
+        cache.k[i].index_copy_(2, step.slots, k.transpose(1, 2).to(cache.k.dtype))
+        cache.v[i].index_copy_(2, step.slots, kv[:, :, cfg.num_kv_heads :].transpose(1, 2).to(cache.v.dtype))
 
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(h, (self.cfg.hidden_size,), self.final_norm, self.cfg.rms_norm_eps)

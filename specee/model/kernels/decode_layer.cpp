@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "int4_matmul.h"
@@ -135,19 +136,29 @@ class DecodeLayer {
       TORCH_CHECK(kc.stride(3) == 1 && kc.stride(2) == D && vc.stride(3) == 1 && vc.stride(2) == D,
                   "DecodeLayer: cache rows must be contiguous per head");
       const int64_t len = kc.size(2), ks = kc.stride(1), vs = vc.stride(1);
-      float* K = kc.data_ptr<float>();
-      float* V = vc.data_ptr<float>();
+      const bool half = kc.scalar_type() == at::kHalf;
+      TORCH_CHECK(vc.scalar_type() == kc.scalar_type() && (half || kc.scalar_type() == at::kFloat),
+                  "DecodeLayer: the cache holds float32 or float16");
       qs[g] = at::empty({1, NH, n, D}, h.options());
       float* qo = qs[g].data_ptr<float>();
       for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[first + i] < len, "DecodeLayer: slot past the cache");
       at::parallel_for(0, n, std::max<int64_t>(1, kGrain / W), [&](int64_t i0, int64_t i1) {
+        float k_row[256];  // a float16 cache's key row, rotated before it is rounded (head_dim <= 256)
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = first + i;
           const float* row = qkv.data_ptr<float>() + r * W;
           for (int64_t j = 0; j < NH; ++j) rope(row + j * D, cs + r * D, sg + r * D, qo + (j * n + i) * D, D);
           for (int64_t j = 0; j < NKV; ++j) {
-            rope(row + (NH + j) * D, cs + r * D, sg + r * D, K + j * ks + slot[r] * D, D);
-            std::copy(row + (NH + NKV + j) * D, row + (NH + NKV + j + 1) * D, V + j * vs + slot[r] * D);
+            const float* value = row + (NH + NKV + j) * D;
+            const int64_t at_k = j * ks + slot[r] * D, at_v = j * vs + slot[r] * D;
+            if (half) {
+              rope(row + (NH + j) * D, cs + r * D, sg + r * D, k_row, D);
+              to_half(k_row, kc.data_ptr<at::Half>() + at_k, D);
+              to_half(value, vc.data_ptr<at::Half>() + at_v, D);
+            } else {
+              rope(row + (NH + j) * D, cs + r * D, sg + r * D, kc.data_ptr<float>() + at_k, D);
+              std::copy(value, value + D, vc.data_ptr<float>() + at_v);
+            }
           }
         }
       });
@@ -157,14 +168,41 @@ class DecodeLayer {
       first += n;
     }
     TORCH_CHECK(first == S, "DecodeLayer: segment rows do not add up to the rows given");
-    at::parallel_for(0, static_cast<int64_t>(alone.size()), 1, [&](int64_t a0, int64_t a1) {
-      for (int64_t a = a0; a < a1; ++a) {
-        const auto [g, i] = alone[a];
-        const at::Tensor &kc = k[g], &vc = v[g];
-        const int64_t n = rows[g];
-        row_attention(qs[g].data_ptr<float>() + i * D, n * D, kc.data_ptr<float>(), kc.stride(1), vc.data_ptr<float>(),
-                      vc.stride(1), n == 1 ? kv_lens[g] : slot[firsts[g] + i] + 1, D, NH, NKV,
-                      attn.data_ptr<float>() + (firsts[g] + i) * NH * D);
+    // each (row, kv head) is one unit of work costing its prefix length; units go to threads longest
+    // first, each to the least loaded thread, so one long request does not leave the other threads waiting
+    // (contiguous halves of the rows did: 8 requests of 99-831 tokens, libgomp spun 20% of a step)
+    const int64_t group = NH / NKV;
+    std::vector<std::tuple<int64_t, size_t, int64_t>> units;  // (prefix length, index in `alone`, kv head)
+    units.reserve(alone.size() * NKV);
+    for (size_t a = 0; a < alone.size(); ++a) {
+      const auto [g, i] = alone[a];
+      const int64_t len = rows[g] == 1 ? kv_lens[g] : slot[firsts[g] + i] + 1;
+      for (int64_t j = 0; j < NKV; ++j) units.emplace_back(len, a, j);
+    }
+    std::sort(units.begin(), units.end(), [](const auto& x, const auto& y) { return std::get<0>(x) > std::get<0>(y); });
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(units.size()));
+    std::vector<std::vector<size_t>> share(threads);
+    std::vector<int64_t> load(threads, 0);
+    for (size_t u = 0; u < units.size(); ++u) {
+      const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+      share[t].push_back(u);
+      load[t] += std::get<0>(units[u]) + 16;  // + a unit's fixed cost
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        for (const size_t u : share[t]) {
+          const auto [len, a, j] = units[u];
+          const auto [g, i] = alone[a];
+          const at::Tensor &kc = k[g], &vc = v[g];
+          const float* q = qs[g].data_ptr<float>() + i * D + j * group * rows[g] * D;
+          float* o = attn.data_ptr<float>() + (firsts[g] + i) * NH * D + j * group * D;
+          if (kc.scalar_type() == at::kHalf)
+            row_attention(q, rows[g] * D, kc.data_ptr<at::Half>() + j * kc.stride(1), kc.stride(1),
+                          vc.data_ptr<at::Half>() + j * vc.stride(1), vc.stride(1), len, D, group, 1, o);
+          else
+            row_attention(q, rows[g] * D, kc.data_ptr<float>() + j * kc.stride(1), kc.stride(1),
+                          vc.data_ptr<float>() + j * vc.stride(1), vc.stride(1), len, D, group, 1, o);
+        }
       }
     });
     for (size_t g = 0; g < rows.size(); ++g) {
@@ -201,10 +239,14 @@ class DecodeLayer {
   // decoding it alone and speculative greedy output equals full-depth greedy bit for bit. One
   // masked call over all rows rounds differently, which parts the texts where the top two tokens
   // nearly tie (SmolLM2 4-bit, n-gram drafts, 8 prompts x 96 tokens: 6 of 8 identical).
-  at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slot,
+  // A float16 cache's prefix is read as float32 (ATen's attention takes one dtype): a prefill's or a
+  // tree's call, or every row where row_attention.cpp does not run.
+  at::Tensor attention(const at::Tensor& q, const at::Tensor& k_stored, const at::Tensor& v_stored, const int64_t* slot,
                        int64_t kv_len, const at::Tensor& mask, bool causal, bool chain) const {
     const int64_t S = q.size(2);
     const bool gqa = heads_ != kv_heads_;
+    const at::Tensor k_cache = k_stored.narrow(2, 0, kv_len).to(at::kFloat);
+    const at::Tensor v_cache = v_stored.narrow(2, 0, kv_len).to(at::kFloat);
     if (chain && S > 1) {
       at::Tensor out = at::empty_like(q);
       for (int64_t r = 0; r < S; ++r)
@@ -215,8 +257,7 @@ class DecodeLayer {
     }
     std::optional<at::Tensor> attn_mask;
     if (mask.numel()) attn_mask = mask;
-    return at::scaled_dot_product_attention(q, k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len), attn_mask,
-                                            0.0, causal, std::nullopt, gqa);
+    return at::scaled_dot_product_attention(q, k_cache, v_cache, attn_mask, 0.0, causal, std::nullopt, gqa);
   }
 
   at::Tensor attn_norm_, mlp_norm_;
@@ -241,4 +282,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_mm", &kquant_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_check", &kquant_check);
+  m.def("row_attention_available", &row_attention_available);
 }

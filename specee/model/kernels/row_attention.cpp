@@ -4,6 +4,7 @@
 // one row (SmolLM2, 2026-11 AMD EPYC), 72% of a step with 8 requests, whose rows attend one at a
 // time; this takes a few. Every single-row attention of the C++ layer goes through here (decode
 // rows, chain rows, alone or batched), so a row's numbers never depend on what shares its step.
+// The cache may hold float16 (the default where this runs): each key and value widens on load.
 #include "row_attention.h"
 
 #include <immintrin.h>
@@ -35,17 +36,24 @@ SPECEE_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-SPECEE_AVX512 void head_avx512(const float* q, const float* K, const float* V, int64_t len, int64_t D,
-                               float* scores, float* out) {
+// 16 keys' or values' floats from the cache, stored as float32 or float16
+SPECEE_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SPECEE_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename KV>
+SPECEE_AVX512 void head_avx512(const float* q, const KV* K, const KV* V, int64_t len, int64_t D, float* scores,
+                               float* out) {
   const int64_t C = D / 16;  // 16-float chunks of a head (D <= 256: at most 16 registers)
   __m512 qv[16];
   const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(static_cast<float>(D)));
   for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), scale);
   float best = -INFINITY;
   for (int64_t t = 0; t < len; ++t) {
-    const float* k = K + t * D;
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
+    const KV* k = K + t * D;
+    __m512 acc = _mm512_mul_ps(qv[0], load16(k));
+    for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), acc);
     scores[t] = _mm512_reduce_add_ps(acc);
     best = std::max(best, scores[t]);
   }
@@ -61,11 +69,31 @@ SPECEE_AVX512 void head_avx512(const float* q, const float* K, const float* V, i
   for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
     const __m512 p = _mm512_set1_ps(scores[t]);
-    const float* v = V + t * D;
-    for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+    const KV* v = V + t * D;
+    for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), acc[c]);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
   for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inv));
+}
+
+template <typename KV>
+void attend_heads(const float* q, int64_t q_stride, const KV* K, int64_t k_stride, const KV* V, int64_t v_stride,
+                  int64_t len, int64_t head_dim, int64_t heads, int64_t kv_heads, float* out) {
+  thread_local std::vector<float> scores;
+  if (static_cast<int64_t>(scores.size()) < len + 16) scores.resize(len + 16);
+  const int64_t group = heads / kv_heads;
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t g = h / group;
+    head_avx512(q + h * q_stride, K + g * k_stride, V + g * v_stride, len, head_dim, scores.data(), out + h * head_dim);
+  }
+}
+
+SPECEE_AVX512 void to_half_avx512(const float* x, c10::Half* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) out[i] = c10::Half(x[i]);
 }
 
 }  // namespace
@@ -76,12 +104,18 @@ bool row_attention_available(int64_t head_dim) {
 
 void row_attention(const float* q, int64_t q_stride, const float* K, int64_t k_stride, const float* V,
                    int64_t v_stride, int64_t len, int64_t head_dim, int64_t heads, int64_t kv_heads, float* out) {
-  thread_local std::vector<float> scores;
-  if (static_cast<int64_t>(scores.size()) < len + 16) scores.resize(len + 16);
-  const int64_t group = heads / kv_heads;
-  for (int64_t h = 0; h < heads; ++h) {
-    const int64_t g = h / group;
-    head_avx512(q + h * q_stride, K + g * k_stride, V + g * v_stride, len, head_dim, scores.data(),
-                out + h * head_dim);
+  attend_heads(q, q_stride, K, k_stride, V, v_stride, len, head_dim, heads, kv_heads, out);
+}
+
+void row_attention(const float* q, int64_t q_stride, const c10::Half* K, int64_t k_stride, const c10::Half* V,
+                   int64_t v_stride, int64_t len, int64_t head_dim, int64_t heads, int64_t kv_heads, float* out) {
+  attend_heads(q, q_stride, K, k_stride, V, v_stride, len, head_dim, heads, kv_heads, out);
+}
+
+void to_half(const float* x, c10::Half* out, int64_t n) {
+  if (int4_level() == 2) {
+    to_half_avx512(x, out, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = c10::Half(x[i]);  // round to nearest even, as torch's .half()
   }
 }
