@@ -201,14 +201,13 @@ def gguf_summary(path: Path):
     the tensors are checked for NaN / Inf too (from their scales: ~20 ms for SmolLM2)."""
     from ..model.gguf import check_finite, check_tensor_types, config_from_gguf, open_gguf
 
-    reader = open_gguf(path)
-    cfg = config_from_gguf(reader, path)
-    check_tensor_types(reader, path)
-    for tensor in reader.tensors:
+    gguf_file = open_gguf(path)
+    cfg = config_from_gguf(gguf_file, path)
+    check_tensor_types(gguf_file, path)
+    for tensor in gguf_file.tensors:
         check_finite(tensor, path)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return (cfg, sum(int(t.n_elements) for t in reader.tensors), path.stat().st_size,
-            None if tokens is None else len(tokens.data), "tokenizer.chat_template" in reader.fields)
+    return (cfg, sum(int(t.n_elements) for t in gguf_file.tensors), path.stat().st_size, gguf_file.vocab_size,
+            "tokenizer.chat_template" in gguf_file.metadata)
 
 
 def model_info(model_dir: Path) -> dict[str, Any]:

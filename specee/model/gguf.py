@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,22 @@ def _supported_types() -> frozenset:
     return frozenset({T.F32, T.F16, *_type_traits})
 
 
-def open_gguf(path: str | Path):
-    """A memory-mapped GGUFReader (kept for a few files: parsing a vocabulary's metadata takes seconds);
+@dataclass(frozen=True)
+class GGUFFile:
+    """What specee reads of a GGUF file: its scalar and string metadata (arrays such as the vocabulary
+    left out), its tensors (gguf's ReaderTensor, data memory-mapped) and where their data starts.
+    Kept in place of gguf's reader, whose parsed vocabulary (SmolLM2: ~250k numpy views and ~285k
+    dicts) would otherwise live as long as the cache: a million objects that every full collection
+    of Python's collector walked (0.2-0.3 s pauses in a server's decode loop), read by no one."""
+
+    metadata: dict[str, Any]
+    tensors: list
+    data_offset: int
+    vocab_size: int | None  # tokens in the file's tokenizer, if it has one
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """A memory-mapped GGUF file (kept for a few files: parsing a vocabulary's metadata takes seconds);
     a truncated or corrupt file is a one-line CheckpointError."""
     path = Path(path)
     stat = path.stat()
@@ -64,38 +79,30 @@ def open_gguf(path: str | Path):
 
 
 @functools.lru_cache(maxsize=4)
-def _open_gguf(path: Path, _mtime_ns: int, _size: int):
+def _open_gguf(path: Path, _mtime_ns: int, _size: int) -> GGUFFile:
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader, GGUFValueType
     except ImportError:
         raise ImportError("reading GGUF files needs the gguf package: pip install 'specee[gguf]'") from None
     try:
-        return GGUFReader(path)
+        reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
         detail = " ".join(str(e).split()) or type(e).__name__
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt: {detail})") from None
+    metadata = {key: field.contents() for key, field in reader.fields.items()
+                if not (field.types and field.types[0] == GGUFValueType.ARRAY)}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return GGUFFile(metadata, list(reader.tensors), reader.data_offset, None if tokens is None else len(tokens.data))
 
 
-def metadata(reader) -> dict[str, Any]:
-    """The scalar and string metadata (arrays such as the vocabulary are left out)."""
-    from gguf import GGUFValueType
-
-    out = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY:
-            continue
-        out[key] = field.contents()
-    return out
-
-
-def config_from_gguf(reader, source: str | Path) -> ModelConfig:
+def config_from_gguf(gguf_file: GGUFFile, source: str | Path) -> ModelConfig:
     """ModelConfig from a GGUF's metadata; architectures other than llama and qwen2 are refused."""
-    meta = metadata(reader)
+    meta = gguf_file.metadata
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"{source}: unsupported GGUF architecture {arch!r}; specee supports "
                                     f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in gguf_file.tensors}
     if "rope_freqs.weight" in names:
         raise UnsupportedModelError(f"{source}: per-dimension RoPE frequencies (rope_freqs.weight, Llama 3.1 "
                                     "scaling) are not supported in GGUF files")
@@ -116,13 +123,13 @@ def config_from_gguf(reader, source: str | Path) -> ModelConfig:
         rope_type, rope_scaling = "linear", {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     elif scaling != "none":
         raise UnsupportedModelError(f"{source}: unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
-    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
         raise CheckpointError(f"{source}: GGUF file has no token_embd.weight")
     eos_ids = tuple(dict.fromkeys(int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                                          "tokenizer.ggml.eom_token_id") if k in meta))
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    types = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    types = Counter(t.tensor_type.name for t in gguf_file.tensors if len(t.shape) > 1)
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(meta.get(f"{arch}.vocab_size", embedding.shape[-1])),
@@ -181,9 +188,9 @@ def unpermute_rows(rows, num_heads: int):
     return rows.reshape(num_heads, per_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows.shape)
 
 
-def check_tensor_types(reader, source: str | Path) -> None:
+def check_tensor_types(gguf_file: GGUFFile, source: str | Path) -> None:
     supported = _supported_types()
-    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in supported})
+    bad = sorted({t.tensor_type.name for t in gguf_file.tensors if t.tensor_type not in supported})
     if bad:
         raise UnsupportedModelError(f"{source}: GGUF tensor type(s) {', '.join(bad)} cannot be dequantized "
                                     f"by the gguf package installed")
@@ -195,19 +202,19 @@ def check_finite(tensor, source: str | Path) -> None:
         raise CheckpointError(f"{source}: tensor {tensor.name} holds NaN or infinite values (the file is corrupt)")
 
 
-def read_gguf_state_dict(reader, cfg: ModelConfig, source: str | Path, dtype: torch.dtype = torch.float32,
+def read_gguf_state_dict(gguf_file: GGUFFile, cfg: ModelConfig, source: str | Path, dtype: torch.dtype = torch.float32,
                          raw_matrices: bool = False) -> dict[str, torch.Tensor | GGUFWeight]:
     """Every tensor dequantized (gguf.quants.dequantize) to `dtype`, un-permuted, under its HF name;
     with raw_matrices, weight matrices stay raw blocks (GGUFWeight, rows un-permuted) for quant.py."""
     from gguf.quants import dequantize
 
-    check_tensor_types(reader, source)
+    check_tensor_types(gguf_file, source)
     mapping = gguf_tensor_map(cfg)
-    extra = [t.name for t in reader.tensors if t.name not in mapping]
+    extra = [t.name for t in gguf_file.tensors if t.name not in mapping]
     if extra:
         raise CheckpointError(f"{source}: unexpected GGUF tensors not used by {cfg.architecture}: {extra[:5]}")
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in gguf_file.tensors:
         check_finite(t, source)
         heads = permuted_heads(cfg, t.name)
         if raw_matrices and t.data.ndim == 2:  # a row permutation of quantized rows is exact
@@ -220,14 +227,14 @@ def read_gguf_state_dict(reader, cfg: ModelConfig, source: str | Path, dtype: to
     return tensors
 
 
-def fingerprint_gguf(path: str | Path, reader=None) -> str:
+def fingerprint_gguf(path: str | Path, gguf_file: GGUFFile | None = None) -> str:
     """A cheap identity: the header (metadata and tensor table) plus strided byte samples of several tensors."""
     path = Path(path)
-    reader = reader if reader is not None else open_gguf(path)
+    gguf_file = gguf_file if gguf_file is not None else open_gguf(path)
     h = hashlib.sha256(f"gguf:{path.stat().st_size}".encode())
     with open(path, "rb") as f:
-        h.update(f.read(reader.data_offset))
-    tensors = reader.tensors
+        h.update(f.read(gguf_file.data_offset))
+    tensors = gguf_file.tensors
     picks = sorted({round(i * (len(tensors) - 1) / 7) for i in range(8)}) if tensors else []
     for i in picks:
         raw = tensors[i].data.reshape(tensors[i].data.shape[0], -1) if tensors[i].data.ndim > 1 else tensors[i].data[:, None]
