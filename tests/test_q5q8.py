@@ -128,10 +128,15 @@ def test_q5_q8_fuse_with_k_quants_where_the_width_takes_256(level):
     np.testing.assert_array_equal(lin(x).numpy(), np.concatenate(want, 1))
 
 
-def test_the_repack_adds_no_byte():
+def test_the_repack_adds_no_byte_and_tiles_keep_their_blocks_width():
     for qtype in (T.Q5_0, T.Q8_0):
         w = random_blocks(qtype, 32, 896, 0)
-        assert repack(w).nbytes == w.data.nbytes == KQuantLinear([w], None, kernel()).packed.numel()
+        lin = KQuantLinear([w], None, kernel())
+        assert repack(w).nbytes == w.data.nbytes == lin.packed.numel()
+    q4k = lin.tiles.clone()
+    q4k[:, 1] = int(T.Q4_K)  # the same bytes read as 256-wide blocks: 896 does not divide
+    with pytest.raises(RuntimeError, match="tile 0 is not a Q4_K, Q6_K, Q5_0 or Q8_0 tile of K = 896"):
+        kernel().kquant_check(lin.packed, q4k, 896)
 
 
 def test_auto_runs_q5_q8_as_stored_and_falls_back_where_the_kernel_cannot(int8):
