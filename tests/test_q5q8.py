@@ -150,6 +150,8 @@ def test_auto_runs_q5_q8_as_stored_and_falls_back_where_the_kernel_cannot(int8):
     assert isinstance(linear_from_parts([random_blocks(T.Q8_0, 40, 896, 2)], None, "auto", CPU, torch.float32), Int8Linear)
     head = RefinedHead.around(linear_from_parts([q8], None, "auto", CPU, torch.float32, keep_rows=True))
     assert isinstance(head.head, KQuantLinear) and head.ranker is not None  # int4 ranks: fewer bytes than Q8_0
+    ids = torch.tensor([[3, 0, 15], [7, 7, 1]])
+    assert torch.equal(head.rows(ids), q8.dequantize()[ids])  # the refined logits' rows: the blocks' own
     before = kernels.use_activations("bf16")  # the kernel has no bf16 path
     try:
         assert isinstance(linear_from_parts([q5], None, "auto", CPU, torch.float32), Int8Linear)
