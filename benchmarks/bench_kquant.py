@@ -1,9 +1,10 @@
-"""Qwen-shaped products from a GGUF's own Q4_K / Q6_K tensors: the old repacks (Q4_K -> int4 with a
-bf16 scale and zero per 32, int8 activations; Q6_K -> int8 per channel, PyTorch's kernel) against
-the blocks run as stored (model/kernels/kquant.cpp), in one process. Weights are cycled over
-several layers so that each call reads them from memory, as decoding does.
+"""Qwen-shaped products from a GGUF's own Q4_K / Q6_K / Q5_0 / Q8_0 tensors: the old repacks (Q4_K ->
+int4 with a bf16 scale and zero per 32, int8 activations; the others -> int8 per channel, PyTorch's
+kernel) against the blocks run as stored (model/kernels/kquant.cpp), in one process. Weights are
+cycled over several layers of the same types so that each call reads them from memory, as decoding does.
 
     PYTHONPATH=. python benchmarks/bench_kquant.py --model <qwen2.5-coder-1.5b q4_k_m.gguf> --threads 2
+    (or the 0.5B's: Q5_0 and Q8_0 at width 896)
 """
 from __future__ import annotations
 
@@ -52,12 +53,13 @@ def main() -> None:
     tensors = {t.name: t for t in open_gguf(args.model).tensors}
     print("| product (layers' types) | N x K | rows | old ms | as stored ms | old / stored |")
     print("|---|---|---|---|---|---|")
+    blocks = sum(name.endswith(".attn_norm.weight") for name in tensors)
     for name, gguf_names in SHAPES.items():
-        for parity in (0, 1):  # Qwen Q4_K_M keeps ffn_down / attn_v Q6_K in half the layers
-            layers = [i for i in range(28) if tensors[f"blk.{i}.{gguf_names[-1]}.weight"].tensor_type.name
-                      == ("Q6_K" if parity else "Q4_K")][: args.layers]
-            if not layers:
-                continue
+        by_types: dict[tuple, list[int]] = {}  # Qwen Q4_K_M keeps ffn_down / attn_v Q6_K in half the layers
+        for i in range(blocks):
+            by_types.setdefault(tuple(tensors[f"blk.{i}.{g}.weight"].tensor_type.name for g in gguf_names), []).append(i)
+        for layers in by_types.values():
+            layers = layers[: args.layers]
             parts = [[GGUFWeight(tensors[f"blk.{i}.{g}.weight"].tensor_type, tensors[f"blk.{i}.{g}.weight"].data)
                       for g in gguf_names] for i in layers]
             new = [linear_from_parts(p, None, "auto", torch.device("cpu"), torch.float32) for p in parts]

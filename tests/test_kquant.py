@@ -150,7 +150,7 @@ def test_the_repack_adds_no_byte_and_refuses_other_types():
     for qtype in (T.Q4_K, T.Q6_K):
         w = random_blocks(qtype, 32, 512, 0)
         assert repack(w).nbytes == w.data.nbytes == KQuantLinear([w], None, kernel()).packed.numel()
-    with pytest.raises(ValueError, match="Q5_K blocks have no K-quant kernel"):
+    with pytest.raises(ValueError, match="Q5_K blocks have no kquant.cpp kernel"):
         repack(GGUFWeight(T.Q5_K, np.zeros((16, 176), np.uint8)))
 
 
@@ -198,5 +198,5 @@ def test_a_tile_entry_outside_the_packed_bytes_is_refused(monkeypatch):
         packed, rows = real(blocks, at, qtype)
         return packed, [(base + packed.size, *rest) for base, *rest in rows]
     monkeypatch.setattr(quant_gguf, "interleave", past_the_end)
-    with pytest.raises(RuntimeError, match="tile 0 is not a Q4_K or Q6_K tile inside the packed bytes"):
+    with pytest.raises(RuntimeError, match="tile 0 is not a Q4_K, Q6_K, Q5_0 or Q8_0 tile of K = 256 inside the packed bytes"):
         KQuantLinear([w], None, kernel())

@@ -84,8 +84,8 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastes
 
 
 QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), auto (on CPU a GGUF's "
-                     "own precision: Q4_K/Q6_K as stored, Q4_0/Q4_1 -> int4, Q5/Q8 -> int8, float -> none; on CUDA none) "
-                     "or none (float weights)")
+                     "own precision: Q4_K/Q6_K/Q5_0/Q8_0 as stored, Q4_0/Q4_1 -> int4, other Q5/Q8 -> int8, float -> none; "
+                     "on CUDA none) or none (float weights)")
 
 
 def add_quantization_arg(group, fastest: bool = False) -> None:

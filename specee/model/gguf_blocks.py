@@ -42,8 +42,9 @@ class GGUFWeight:
         return self.dequantize().to(device=device, dtype=dtype)
 
     def native_format(self) -> str | None:
-        """The kernel format nearest this tensor's own precision: Q4_0/Q4_1/Q4_K -> int4 (codes exact),
-        other quantized types (Q5_x, Q6_K, Q8_0, ...) -> int8 (requantized), float types -> None."""
+        """The kernel format nearest this tensor's own precision where its blocks do not run as stored
+        (model/quant_gguf.py): Q4_0/Q4_1/Q4_K -> int4 (codes exact), other quantized types (Q5_x,
+        Q6_K, Q8_0, ...) -> int8 (requantized), float types -> None."""
         from gguf import GGMLQuantizationType as T
 
         if self.qtype in (T.Q4_0, T.Q4_1, T.Q4_K):

@@ -6,7 +6,7 @@ which take bfloat16 activations (float32 activations are several times slower: s
 benchmarks/bench_kernels.py), except int4 on a CPU where specee's kernels build: its own
 (model/kernels/int4_matmul.cpp: AVX-512 BF16, AVX2 or portable) does the same arithmetic 2-3x
 faster, or by default llama.cpp's, with activations quantized per block of 32 to int8 (int4_q8.cpp;
-kernels.use_activations, SPECEE_ACTIVATIONS=bf16|int8); GGUF Q4_K / Q6_K tensors run as stored
+kernels.use_activations, SPECEE_ACTIVATIONS=bf16|int8); GGUF Q4_K / Q6_K / Q5_0 / Q8_0 tensors run as stored
 (quant_gguf.py). Every layer has `dequantize()`, the float weight the kernel effectively uses: the
 reference the tests check the kernels against.
 
@@ -353,7 +353,7 @@ def linear_from_parts(parts: list[torch.Tensor | GGUFWeight], bias: torch.Tensor
         from .quant_gguf import KQuantLinear, kernel_for
 
         kernel = kernel_for(parts, device)
-        if kernel is not None:  # Q4_K / Q6_K blocks as stored
+        if kernel is not None:  # Q4_K / Q6_K / Q5_0 / Q8_0 blocks as stored
             return KQuantLinear(parts, None if bias is None else bias.to(device=device, dtype=dtype), kernel)
         formats = [p.native_format() if isinstance(p, GGUFWeight) else None for p in parts]
         mode = max(formats, key=PRECISION.index)

@@ -1,7 +1,8 @@
-"""GGUF Q4_K and Q6_K tensors run from their own blocks (model/kernels/kquant.cpp): the blocks are
-repacked per 16 outputs into vectors the integer dot products read directly, byte for byte as
-large as the file's (Q4_K 4.5 bits a weight, Q6_K 6.5625), where the int4 repack took 5 bits and
-the int8 one 8. Activations are quantized per block of 32 to int8, as the int4 kernel's default.
+"""GGUF Q4_K, Q6_K, Q5_0 and Q8_0 tensors run from their own blocks (model/kernels/kquant.cpp): the
+blocks are repacked per 16 outputs into vectors the integer dot products read directly, byte for
+byte as large as the file's (Q4_K 4.5 bits a weight, Q6_K 6.5625, Q5_0 5.5, Q8_0 8.5), where the
+int4 repack took 5 bits and the int8 one 8 (and Q5_0 and Q8_0 lost their scale per 32 to one per
+row). Activations are quantized per block of 32 to int8, as the int4 kernel's default.
 
 Codes are gguf's own: gguf.quants dequantizes a copy of the blocks with unit scales, which yields
 them exactly (the nibble and bit order is not re-derived here); scales and d are copied verbatim."""
@@ -16,20 +17,22 @@ from .quant import QuantizationError, _KernelLinear, _present
 TILE = 16  # outputs per tile: one 16-lane vector
 GROUP = 4  # tiles whose super-blocks interleave (kquant.cpp's kGroupTiles)
 SUPER = 256  # inputs per K-quant block
-TYPES = ("Q4_K", "Q6_K")  # what kquant.cpp runs
+BLOCK = {"Q4_K": SUPER, "Q6_K": SUPER, "Q5_0": 32, "Q8_0": 32}  # what kquant.cpp runs: inputs per block
 _F16_ONE = np.frombuffer(np.float16(1).tobytes(), np.uint8)
 
 
 def fits(parts: list) -> bool:
-    """Whether every part is a Q4_K / Q6_K GGUF matrix whose shape tiles (rows by 16)."""
-    return all(isinstance(p, GGUFWeight) and p.qtype.name in TYPES and p.data.dtype == np.uint8
-               and p.shape[0] % TILE == 0 for p in parts) and len({p.shape[1] for p in parts}) == 1
+    """Whether every part is a GGUF matrix of a type in BLOCK whose shape tiles: rows by 16, one
+    width for all, a multiple of every part's block (Qwen2.5-0.5B's 896 takes Q5_0, not Q4_K)."""
+    return all(isinstance(p, GGUFWeight) and p.qtype.name in BLOCK and p.data.dtype == np.uint8
+               and p.shape[0] % TILE == 0 and p.shape[1] % BLOCK[p.qtype.name] == 0 for p in parts) \
+        and len({p.shape[1] for p in parts}) == 1
 
 
 def kernel_for(parts: list, device: torch.device):
     """The compiled kernels when `parts` can run as stored here (a CPU, the kernels built, int8
     activations: the K-quant kernel has no bf16 path), else None."""
-    if torch.device(device).type != "cpu" or not fits(parts) or parts[0].shape[1] % SUPER:
+    if torch.device(device).type != "cpu" or not fits(parts):
         return None
     from .kernels import ACTIVATIONS, int4_kernel
 
@@ -45,50 +48,72 @@ def _codes(w: GGUFWeight, unit: np.ndarray, offset: int = 0) -> np.ndarray:
 
 
 def _nibbles(codes: np.ndarray) -> np.ndarray:
-    """Low 4 bits as [N/16, K/256, 32 vectors x 64 B]: vector 4 b + a, lane o, byte e = inputs
-    32 b + 8 a + e (low nibble) and + 4 (high nibble)."""
+    """Low 4 bits as [N/16, K/32, 4 vectors x 64 B]: vector a, lane o, byte e = inputs 8 a + e of
+    the block (low nibble) and + 4 (high nibble). (K-quants: 8 of these blocks a super-block.)"""
     N, K = codes.shape
-    v = (codes & 15).reshape(N // TILE, TILE, K // SUPER, 8, 4, 2, 4)  # t, o, sb, b, a, j, e
-    return (v[..., 0, :] | v[..., 1, :] << 4).transpose(0, 2, 3, 4, 1, 5).reshape(N // TILE, K // SUPER, 2048)
+    v = (codes & 15).reshape(N // TILE, TILE, K // 32, 4, 2, 4)  # t, o, b, a, j, e
+    return (v[..., 0, :] | v[..., 1, :] << 4).transpose(0, 2, 3, 1, 4).reshape(N // TILE, K // 32, 256)
+
+
+def _quads(x: np.ndarray) -> np.ndarray:
+    """Per-input values uint8 [N, K] as [N/16, K/32, 8 vectors x 64 B]: vector C, lane o, byte e =
+    input 4 C + e of the block."""
+    N, K = x.shape
+    return x.reshape(N // TILE, TILE, K // 32, 8, 4).transpose(0, 2, 3, 1, 4).reshape(N // TILE, K // 32, 512)
+
+
+def _super(blocks: np.ndarray) -> np.ndarray:
+    """Per-block vectors [N/16, K/32, n] as the super-blocks' [N/16, K/256, 8 n]."""
+    return blocks.reshape(blocks.shape[0], -1, 8 * blocks.shape[-1])
 
 
 def _lanes(x: np.ndarray, word: int) -> np.ndarray:
-    """Per-(output, super-block) bytes [N, K/256, n] as [N/16, K/256, n x 16]: the n / word words in
-    turn, each as 16 lanes (outputs) of `word` bytes."""
+    """Per-(output, block) bytes [N, S, n] as [N/16, S, n x 16]: the n / word words in turn, each as
+    16 lanes (outputs) of `word` bytes."""
     N, S, n = x.shape
     return x.reshape(N // TILE, TILE, S, n // word, word).transpose(0, 2, 3, 1, 4).reshape(N // TILE, S, -1)
 
 
 def repack(w: GGUFWeight) -> np.ndarray:
-    """w's blocks as kquant.cpp's tile-blocks: uint8 [N/16, K/256, tile-block bytes]."""
+    """w's blocks as kquant.cpp's tile-blocks: uint8 [N/16, K / block, tile-block bytes]."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import GGML_QUANT_SIZES
 
+    if w.qtype.name not in BLOCK:
+        raise QuantizationError(f"{w.qtype.name} blocks have no kquant.cpp kernel (Q4_K, Q6_K, Q5_0 and Q8_0 do)")
     N, K = w.shape
     size = GGML_QUANT_SIZES[w.qtype][1]
-    blocks = np.ascontiguousarray(w.data).reshape(N, K // SUPER, size)
+    blocks = np.ascontiguousarray(w.data).reshape(N, K // BLOCK[w.qtype.name], size)
     unit = blocks.copy()
-    if w.qtype == T.Q4_K:
+    if w.qtype == T.Q8_0:
+        unit[..., 0:2] = _F16_ONE  # d = 1
+        parts = [_quads(_codes(w, unit, 128)), _lanes(blocks[..., 0:2], 2)]  # the int8 codes + 128, then d's
+    elif w.qtype == T.Q5_0:
+        unit[..., 0:2] = _F16_ONE
+        codes = _codes(w, unit, 16)  # gguf gives q - 16
+        fifth = _quads(codes >> 4).reshape(N // TILE, K // 32, 8, 64)  # vector C: input 4 C + e's 5th bit
+        fifth = sum(fifth[..., c, :] << c for c in range(8)).astype(np.uint8)  # at bit C of one vector
+        parts = [_nibbles(codes), fifth, _lanes(blocks[..., 0:2], 2)]
+    elif w.qtype == T.Q4_K:
         unit[..., 0:2], unit[..., 2:4] = _F16_ONE, 0  # d = 1, dmin = 0
         unit[..., 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)  # every sc = 1, m = 0
         codes = _codes(w, unit)
-        parts = [_nibbles(codes), _lanes(blocks[..., 4:16], 4), _lanes(blocks[..., 0:4], 2)]  # d's, then dmin's
+        parts = [_super(_nibbles(codes)), _lanes(blocks[..., 4:16], 4), _lanes(blocks[..., 0:4], 2)]  # d's, then dmin's
     elif w.qtype == T.Q6_K:
         unit[..., 192:208], unit[..., 208:210] = 1, _F16_ONE  # every scale 1, d = 1
         codes = _codes(w, unit, 32)  # gguf gives q - 32
         hi = (codes >> 4).reshape(N // TILE, TILE, K // SUPER, 8, 2, 4, 4)  # t, o, sb, b, h, cc, e
         hi = sum(hi[..., cc, :] << (2 * cc) for cc in range(4)).astype(np.uint8)  # t, o, sb, b, h, e
-        parts = [_nibbles(codes), hi.transpose(0, 2, 3, 4, 1, 5).reshape(N // TILE, K // SUPER, 1024),
+        parts = [_super(_nibbles(codes)), hi.transpose(0, 2, 3, 4, 1, 5).reshape(N // TILE, K // SUPER, 1024),
                  _lanes(blocks[..., 192:208], 4), _lanes(blocks[..., 208:210], 2)]
-    else:
-        raise QuantizationError(f"{w.qtype.name} blocks have no K-quant kernel (Q4_K and Q6_K do)")
     return np.concatenate(parts, axis=-1)
 
 
 def interleave(blocks: np.ndarray, at: int, qtype: int) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
     """Tile-blocks [tiles, S, size] in kquant.cpp's order: groups of GROUP tiles (fewer at the end),
-    per super-block the group's 64-byte vectors interleaved (vector v of tile j at (v g + j) 64), then
-    their tails (Q6_K's d, 32 bytes); and each tile's (offset of its group from `at`, type, g, j)."""
+    per (super-)block the group's 64-byte vectors interleaved (vector v of tile j at (v g + j) 64),
+    then their tails (d, 32 bytes, but Q4_K's); and each tile's (offset of its group from `at`, type,
+    g, j)."""
     tiles, S, size = blocks.shape
     vectors = size // 64
     out, rows = [], []
@@ -102,13 +127,14 @@ def interleave(blocks: np.ndarray, at: int, qtype: int) -> tuple[np.ndarray, lis
 
 
 class KQuantLinear(_KernelLinear):
-    """Fused GGUF parts (q/k/v, gate/up, or one matrix) of types Q4_K / Q6_K, each tile of 16
-    outputs run by its own type's kernel; keeps the parts (memory-mapped blocks) for rows and
-    dequantize, which are exact: the kernel's weights are the blocks' own."""
+    """Fused GGUF parts (q/k/v, gate/up, or one matrix) of types Q4_K / Q6_K / Q5_0 / Q8_0, each
+    tile of 16 outputs run by its own type's kernel; keeps the parts (memory-mapped blocks) for rows
+    and dequantize, which are exact: the kernel's weights are the blocks' own."""
 
     def __init__(self, parts: list[GGUFWeight], bias: torch.Tensor | None, kernel):
-        if not fits(parts) or parts[0].shape[1] % SUPER:  # what kernel_for checks
-            raise QuantizationError("K-quant kernel: Q4_K / Q6_K parts with rows in multiples of 16 and 256-wide blocks")
+        if not fits(parts):  # what kernel_for checks
+            raise QuantizationError("K-quant kernel: Q4_K / Q6_K / Q5_0 / Q8_0 parts with rows in multiples of 16 "
+                                    "and one input width, a multiple of their blocks (256 or 32)")
         self.parts, self.bias, self.kernel = parts, bias, kernel
         self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
         packed, tiles, offset = [], [], 0
@@ -141,6 +167,9 @@ class KQuantLinear(_KernelLinear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        if len(self.parts) == 1:  # a head, every token (the split below took 20 of SmolLM2's 33 us)
+            p = self.parts[0]
+            return GGUFWeight(p.qtype, p.data[flat.numpy()]).dequantize().view(*ids.shape, self.in_features)
         w = torch.empty(len(flat), self.in_features)
         for p, sel, local in self._part_rows(flat):
             w[sel] = GGUFWeight(p.qtype, p.data[local.numpy()]).dequantize()

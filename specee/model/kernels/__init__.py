@@ -11,7 +11,7 @@
   integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, AVX2 or plain loops): the default
   (DEFAULT_ACTIVATIONS: as close to float32 as llama.cpp or closer, and faster; BENCHMARKS.md);
   SPECEE_ACTIVATIONS=bf16 or `use_activations("bf16")` sends every int4 product to the bf16 path.
-- `kquant.cpp` (+ `kquant_tile.h`): GGUF Q4_K / Q6_K blocks run as stored (model/quant_gguf.py), with
+- `kquant.cpp` (+ `kquant_tile.h`): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.
 
 Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s), once per

@@ -31,7 +31,8 @@ struct Linear {
   at::Tensor w, aux, bias;
   int64_t group;
 
-  int64_t outputs() const { return kind == 3 ? w.size(0) * 64 : w.size(0); }  // N (int4 packed: N / 64 blocks)
+  // N (int4 packed: N / 64 blocks; GGUF blocks: tiles of 16 outputs)
+  int64_t outputs() const { return kind == 3 ? w.size(0) * 64 : kind == 4 ? aux.size(0) * 16 : w.size(0); }
 
   at::Tensor operator()(const at::Tensor& x) const {  // x [1, K] float32 -> [1, N] float32
     at::Tensor y;

@@ -1,12 +1,13 @@
-// GGUF Q4_K (4.5 bits a weight) and Q6_K (6.56) run from their own blocks, repacked per 16 outputs
-// (model/quant_gguf.py) without adding a byte, times activations quantized per block of 32 to int8
-// as int4_q8.cpp quantizes them. Why: the int4 repack (a bf16 scale and zero per 32) and the int8
-// widening of Q6_K read about 15% more bytes per token than the file, and decoding reads weights.
+// GGUF Q4_K (4.5 bits a weight), Q6_K (6.56), Q5_0 (5.5) and Q8_0 (8.5) run from their own blocks,
+// repacked per 16 outputs (model/quant_gguf.py) without adding a byte, times activations quantized
+// per block of 32 to int8 as int4_q8.cpp quantizes them. Why: the int4 repack (a bf16 scale and zero
+// per 32) and the int8 widening of Q5_0 and Q6_K read 15-45% more bytes per token than the file, and
+// decoding reads weights.
 //
 // Layout: per part, tiles of 16 outputs (lane o = output o) in groups of g = 4 (fewer at a part's
-// end); per group, its super-blocks of 256 inputs one after the other, each the group's tiles'
-// 64-byte vectors interleaved, vector v of tile j at (v g + j) 64, in the order the kernel reads them.
-// A tile's vectors (4 bytes a lane), per super-block:
+// end); per group, its (super-)blocks of 256 inputs (K-quants) or 32 (Q5_0, Q8_0) one after the
+// other, each the group's tiles' 64-byte vectors interleaved, vector v of tile j at (v g + j) 64, in
+// the order the kernel reads them, then their tails. A tile's vectors (4 bytes a lane), per block:
 //   0-31    nibbles: vector 4 b + a, byte e of lane o holds inputs 32 b + 8 a + e (low nibble) and
 //           32 b + 8 a + 4 + e (high nibble): Q4_K's codes, Q6_K's low 4 bits
 //   Q4_K    32-34: ggml's 12 scale bytes of output o as three words A, B, C (6-bit sc_b, m_b);
@@ -14,8 +15,11 @@
 //   Q6_K    32-47: high 2 bits, vector 32 + 2 b + h: byte e holds inputs 32 b + 16 h + 4 cc + e at
 //           bits 2 cc (cc = 0..3); 48-51: the int8 scales per 16 inputs, vector 48 + b / 2, byte
 //           2 (b % 2) + h; then, after the group's vectors, d (fp16), 32 bytes a tile = 3360 B a tile
+//   Q5_0    0-3: nibbles as above (b = 0); 4: the 5th bits, bit C of byte e of lane o = input 4 C + e's;
+//           then d (fp16), 32 bytes a tile                                           = 352 B a tile
+//   Q8_0    0-7: vector C, byte e of lane o = input 4 C + e's int8 code + 128; then d = 544 B a tile
 // Integer dot products: `vpdpbusd` (AVX-512 VNNI), `vpmaddubsw` + `vpmaddwd` (AVX2: pairs at most
-// 2 x 63 x 127, exact in int16), plain loops (portable). Every float32 operation is an FMA in the
+// 2 x 63 x 127, exact in int16; Q8_0's bytes in two parts, 0-127 and 0 or 128), plain loops (portable). Every float32 operation is an FMA in the
 // same order at every level (std::fmaf in the portable path), so all levels give the same bits and
 // a row's output does not depend on the rows sharing the call. The body: kquant_tile.h.
 #include "kquant.h"
@@ -34,8 +38,12 @@
 namespace {
 
 using specee_int4::kGroup;
-constexpr int64_t kQ4K = 12, kQ6K = 14;  // GGUF type numbers
+constexpr int64_t kQ50 = 6, kQ80 = 8, kQ4K = 12, kQ6K = 14;  // GGUF type numbers
 constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // a tile's bytes per 256 inputs
+constexpr int64_t kQ5Bytes = 352, kQ8Bytes = 544;  // per 32 inputs
+// Q5_0 / Q8_0: blocks ahead prefetched (4 tiles' blocks: 1.4 / 2.2 KB each). Qwen2.5-0.5B's gate/up
+// (Q5_0, 6 MB) on one core, AMD EPYC: none 0.21 ms, 2 blocks 0.16, 4 0.15, 8 0.12, 16 0.13.
+constexpr int64_t kPrefetchBlocks = 8;
 #define SPECEE_KQ_INLINE __attribute__((always_inline)) inline  // the body's parts: registers, not memory
 constexpr int kMaxRows = 4;  // rows sharing a tile's unpacking (more would spill the accumulators)
 constexpr int kGroupTiles = 4;  // tiles per group (model/quant_gguf.py GROUP) and parallel task
@@ -85,9 +93,11 @@ struct V {
       return e;
     });
   }
+  static I dot_wide(const I& acc, const I& w, const I& x) { return dot(acc, w, x); }  // any byte w: exact
   static F fzero() { F r; for (auto& e : r.v) e = 0.f; return r; }
   static F fset1(float a) { F r; for (auto& e : r.v) e = a; return r; }
   static F cvt(const I& a) { F r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
+  static F fmul(const F& a, const F& b) { F r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
   static F fma(const F& a, const F& b, const F& c) { F r; for (int i = 0; i < 16; ++i) r.v[i] = std::fmaf(a.v[i], b.v[i], c.v[i]); return r; }
   static F fnma(const F& a, const F& b, const F& c) { F r; for (int i = 0; i < 16; ++i) r.v[i] = std::fmaf(-a.v[i], b.v[i], c.v[i]); return r; }
   static F half(const uint16_t* p) { F r; for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]); return r; }
@@ -120,9 +130,15 @@ struct V {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
   }
   static I dot(const I& acc, const I& w, const I& x) { return {dot1(acc.a, w.a, x.a), dot1(acc.b, w.b, x.b)}; }
+  static __m256i dot_wide1(__m256i acc, __m256i w, __m256i x) {  // bytes 0-255: pairs of 2 x 255 x 127 would saturate
+    const __m256i top = _mm256_set1_epi8(static_cast<char>(0x80));
+    return dot1(dot1(acc, _mm256_andnot_si256(top, w), x), _mm256_and_si256(top, w), x);
+  }
+  static I dot_wide(const I& acc, const I& w, const I& x) { return {dot_wide1(acc.a, w.a, x.a), dot_wide1(acc.b, w.b, x.b)}; }
   static F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F fset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
   static F cvt(const I& x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+  static F fmul(const F& x, const F& y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
   static F fma(const F& x, const F& y, const F& z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
   static F fnma(const F& x, const F& y, const F& z) { return {_mm256_fnmadd_ps(x.a, y.a, z.a), _mm256_fnmadd_ps(x.b, y.b, z.b)}; }
   static F half(const uint16_t* p) {
@@ -153,9 +169,11 @@ struct V {
   static I shlv(I x, int n) { return _mm512_sll_epi32(x, _mm_cvtsi32_si128(n)); }
   static I shrv(I x, int n) { return _mm512_srl_epi32(x, _mm_cvtsi32_si128(n)); }
   static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static I dot_wide(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }  // no int16 step: exact
   static F fzero() { return _mm512_setzero_ps(); }
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F cvt(I x) { return _mm512_cvtepi32_ps(x); }
+  static F fmul(F x, F y) { return _mm512_mul_ps(x, y); }
   static F fma(F x, F y, F z) { return _mm512_fmadd_ps(x, y, z); }
   static F fnma(F x, F y, F z) { return _mm512_fnmadd_ps(x, y, z); }
   static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -184,35 +202,40 @@ Kernels level_kernels() {
   return {portable::kOne, portable::kSide};
 }
 
-int64_t block_bytes(int64_t type) { return type == kQ6K ? kQ6Bytes : kQ4Bytes; }
+// A tile's bytes per block of its type, and the block's inputs.
+int64_t block_bytes(int64_t type) {
+  return type == kQ6K ? kQ6Bytes : type == kQ4K ? kQ4Bytes : type == kQ80 ? kQ8Bytes : kQ5Bytes;
+}
+int64_t block_inputs(int64_t type) { return type == kQ4K || type == kQ6K ? 256 : 32; }
 
 }  // namespace
 
 void kquant_check(const at::Tensor& packed, const at::Tensor& tiles, int64_t K) {
-  TORCH_CHECK(K % 256 == 0 && tiles.dim() == 2 && tiles.size(1) == 4 && tiles.is_contiguous() &&
+  TORCH_CHECK(K > 0 && tiles.dim() == 2 && tiles.size(1) == 4 && tiles.is_contiguous() &&
                   tiles.scalar_type() == at::kLong && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "kquant: K a multiple of 256, tiles int64 [T, 4], packed uint8");
+              "kquant: tiles int64 [T, 4], packed uint8");
   const int64_t* tile = tiles.data_ptr<int64_t>();
   for (int64_t i = 0; i < tiles.size(0); ++i) {
     const int64_t* e = tile + 4 * i;  // base, type, g, j
-    TORCH_CHECK((e[1] == kQ4K || e[1] == kQ6K) && e[0] >= 0 && e[2] >= 1 && e[2] <= kGroupTiles && e[3] >= 0 &&
-                    e[3] < e[2] && e[0] + e[2] * block_bytes(e[1]) * (K / 256) <= packed.numel(),
-                "kquant: tile ", i, " is not a Q4_K or Q6_K tile inside the packed bytes");
+    const bool known = e[1] == kQ4K || e[1] == kQ6K || e[1] == kQ50 || e[1] == kQ80;
+    TORCH_CHECK(known && K % block_inputs(e[1]) == 0 && e[0] >= 0 && e[2] >= 1 && e[2] <= kGroupTiles && e[3] >= 0 &&
+                    e[3] < e[2] && e[0] + e[2] * block_bytes(e[1]) * (K / block_inputs(e[1])) <= packed.numel(),
+                "kquant: tile ", i, " is not a Q4_K, Q6_K, Q5_0 or Q8_0 tile of K = ", K, " inside the packed bytes");
   }
 }
 
 at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles) {
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();  // bf16 widens exactly
   const int64_t M = xf.size(0), K = xf.size(1), T = tiles.size(0), N = 16 * T;
-  TORCH_CHECK(xf.dim() == 2 && K % 256 == 0 && tiles.dim() == 2 && tiles.size(1) == 4,
-              "kquant_mm: activations [M, K] with K a multiple of 256, tiles [T, 4] (each checked once: kquant_check)");
+  TORCH_CHECK(xf.dim() == 2 && K % 32 == 0 && tiles.dim() == 2 && tiles.size(1) == 4,
+              "kquant_mm: activations [M, K] with K a multiple of 32, tiles [T, 4] (each checked once: kquant_check)");
   const int64_t* tile = tiles.data_ptr<int64_t>();
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * K / kGroup), ds(M * K / kGroup);
   std::vector<int32_t> s16(M * K / 16);
   specee_int4::quantize_activations(xf.data_ptr<float>(), M, K, int4_level(), q.data(), d.data(), ds.data(), s16.data());
   const Act act{q.data(), d.data(), ds.data(), s16.data(), K};
-  at::Tensor y = at::zeros({M, N}, at::kFloat);  // each super-block adds into it
+  at::Tensor y = at::zeros({M, N}, at::kFloat);  // each (super-)block adds into it
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   const Kernels kernels = level_kernels();

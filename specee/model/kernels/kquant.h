@@ -1,13 +1,14 @@
-// GGUF Q4_K and Q6_K weights run from their own blocks (kquant.cpp), repacked per 16 outputs by
-// model/quant_gguf.py, times activations quantized per block of 32 to int8.
+// GGUF Q4_K, Q6_K, Q5_0 and Q8_0 weights run from their own blocks (kquant.cpp), repacked per 16
+// outputs by model/quant_gguf.py, times activations quantized per block of 32 to int8.
 #pragma once
 #include <torch/extension.h>
 
 // x [M, K] float32 or bf16; packed: uint8, the tiles' bytes; tiles: int64 [T, 4], tile t's (byte
-// offset of its group's first super-block in packed, GGUF type: 12 Q4_K / 14 Q6_K, tiles in its
-// group, its place there) for outputs 16 t .. 16 t + 15 (layout: kquant.cpp). float32 [M, 16 T].
+// offset of its group's first block in packed, GGUF type: 6 Q5_0 / 8 Q8_0 / 12 Q4_K / 14 Q6_K, tiles
+// in its group, its place there) for outputs 16 t .. 16 t + 15 (layout: kquant.cpp). float32 [M, 16 T].
 at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles);
 
-// Every tile's entry is a Q4_K / Q6_K tile inside packed, for inputs of width K: checked once when a
-// linear is built (model/quant_gguf.py), not on every product of the decode loop.
+// Every tile's entry is a tile of one of those types inside packed, for inputs of width K (a multiple
+// of its type's block): checked once when a linear is built (model/quant_gguf.py), not on every
+// product of the decode loop.
 void kquant_check(const at::Tensor& packed, const at::Tensor& tiles, int64_t K);

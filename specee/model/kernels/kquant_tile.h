@@ -4,6 +4,11 @@
 // sharing the activations' broadcasts, giving independent chains of dot products and reading their
 // group's bytes in order; a lane's operations are the same whatever J and R are.
 //
+// Q5_0 / Q8_0: per 32-input block b (its own fp16 d; q 0..31 with offset 16, or 0..255 stored as
+// the int8 code plus 128, offset 128):
+//     T_b = sum_k q_k x_k - offset sum_k x_k                   (int32, exact)
+//     y  += d_b (T_b dx_b)                                      (float32: a product, then an FMA)
+//
 // Q6_K: per 32-input block b and half h (16 inputs, scale sc_h, int8):
 //     T_b = sum_h sc_h (sum_k q_k x_k - 32 sum_k x_k)        (int32, exact)
 //     y  += d (sum_b dx_b T_b)                                  (float32 FMAs, in this order)
@@ -34,23 +39,38 @@ SPECEE_KQ_INLINE V::I q6_quad(const Tiles& w, int j, int b) {
   return V::or_(q4_quad<C>(w, j, b), V::and_(h, 0x30303030));
 }
 
-// acc[r][j][h] += quad C of block b of tile j times row r's inputs; h = C / 4 for Q6_K's halves,
-// else 0 or, where few tiles and rows give few chains of dot products (H = 2), C / 4 as well.
-template <int R, int J, int H, bool Q6, int C>
+// Q5_0: the nibble of vectors 0-3 and, from the high-bit word (vector 4: bit C of byte e is input
+// 4 C + e's), bit C of each byte moved to bit 4.
+template <int C>
+SPECEE_KQ_INLINE V::I q5_quad(const Tiles& w, int j) {
+  const V::I hi = V::load(w.vec(4, j));
+  const V::I h = C < 4 ? V::template shl<4 - C>(hi) : C == 4 ? hi : V::template shr<C - 4>(hi);
+  return V::or_(q4_quad<C>(w, j, 0), V::and_(h, 0x10101010));
+}
+
+// acc[r][j][h] += quad C of block b of tile j (of type Q) times row r's inputs; h = C / 4 for
+// Q6_K's halves, else 0 or, where few tiles and rows give few chains of dot products (H = 2), C / 4
+// as well. Q8_0's codes span a whole byte: V::dot_wide.
+template <int R, int J, int H, int64_t Q, int C>
 SPECEE_KQ_INLINE void dot_quad(const Tiles& w, const Act& x, int64_t blk, int b, V::I (&acc)[R][J][H]) {
   constexpr int h = H == 2 ? C / 4 : 0;
   V::I xb[R];
   for (int r = 0; r < R; ++r) xb[r] = V::set1(x.q4(r, 8 * blk + C));
   for (int j = 0; j < J; ++j) {
-    const V::I q = Q6 ? q6_quad<C>(w, j, b) : q4_quad<C>(w, j, b);
-    for (int r = 0; r < R; ++r) acc[r][j][h] = V::dot(acc[r][j][h], q, xb[r]);
+    if constexpr (Q == kQ80) {
+      const V::I q = V::load(w.vec(C, j));
+      for (int r = 0; r < R; ++r) acc[r][j][h] = V::dot_wide(acc[r][j][h], q, xb[r]);
+    } else {
+      const V::I q = Q == kQ6K ? q6_quad<C>(w, j, b) : Q == kQ50 ? q5_quad<C>(w, j) : q4_quad<C>(w, j, b);
+      for (int r = 0; r < R; ++r) acc[r][j][h] = V::dot(acc[r][j][h], q, xb[r]);
+    }
   }
 }
 
-template <int R, int J, int H, bool Q6, int... C>
+template <int R, int J, int H, int64_t Q, int... C>
 SPECEE_KQ_INLINE void dots(const Tiles& w, const Act& x, int64_t blk, int b, V::I (&acc)[R][J][H],
                            std::integer_sequence<int, C...>) {
-  (dot_quad<R, J, H, Q6, C>(w, x, blk, b, acc), ...);
+  (dot_quad<R, J, H, Q, C>(w, x, blk, b, acc), ...);
 }
 
 // Q6_K block b of super-block sb: T_b per tile and row, then fs += dx T_b.
@@ -61,7 +81,7 @@ SPECEE_KQ_INLINE void q6k_block(const Tiles& w, const Act& x, int64_t sb, int b,
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
       for (int h = 0; h < 2; ++h) acc[r][j][h] = V::set1(-32 * x.s16(r, 2 * blk + h));
-  dots<R, J, 2, true>(w, x, blk, b, acc, std::make_integer_sequence<int, 8>{});
+  dots<R, J, 2, kQ6K>(w, x, blk, b, acc, std::make_integer_sequence<int, 8>{});
   for (int j = 0; j < J; ++j) {
     const V::I s = V::load(w.vec(48 + b / 2, j));  // byte 2 (b % 2) + h of lane o: sc_h
     const V::I s0 = V::template sar<24>(V::shlv(s, 24 - 16 * (b % 2)));
@@ -97,7 +117,7 @@ SPECEE_KQ_INLINE void q4k_block(const Tiles& w, const Act& x, int64_t sb, int b,
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
       for (int h = 0; h < H; ++h) acc[r][j][h] = V::set1(0);
-  dots<R, J, H, false>(w, x, blk, b, acc, std::make_integer_sequence<int, 8>{});
+  dots<R, J, H, kQ4K>(w, x, blk, b, acc, std::make_integer_sequence<int, 8>{});
   for (int j = 0; j < J; ++j) {
     V::I sc, m;
     q4_scale_min(w, j, b, sc, m);
@@ -158,10 +178,42 @@ SPECEE_KQ_INLINE void q4k_tiles(const uint8_t* base, int64_t g, int64_t j0, cons
   }
 }
 
+// Q5_0 / Q8_0 (Q): J tiles of a group of g, block after block of 32 inputs, the sums in registers
+// until the end; the bytes kPrefetchBlocks blocks ahead prefetched.
+template <int R, int J, int64_t Q>
+SPECEE_KQ_INLINE void q32_tiles(const uint8_t* base, int64_t g, int64_t j0, const Act& x, int64_t K, float* y, int64_t N) {
+  constexpr int vectors = Q == kQ80 ? 8 : 5, offset = Q == kQ80 ? 128 : 16;
+  constexpr int H = R * J < 4 ? 2 : 1;
+  const int64_t bytes = g * (Q == kQ80 ? kQ8Bytes : kQ5Bytes);
+  V::F acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = V::loadf(y + r * N + 16 * j);
+  for (int64_t blk = 0; blk < K / 32; ++blk, base += bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + kPrefetchBlocks * bytes + i);
+    const Tiles w{base + 64 * j0, 64 * g};
+    V::I sums[R][J][H];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < J; ++j)
+        for (int h = 0; h < H; ++h) sums[r][j][h] = V::set1(h ? 0 : -offset * (x.s16(r, 2 * blk) + x.s16(r, 2 * blk + 1)));
+    dots<R, J, H, Q>(w, x, blk, 0, sums, std::make_integer_sequence<int, 8>{});
+    for (int j = 0; j < J; ++j) {  // d: after the group's vectors, 32 bytes a tile
+      const V::F d = V::half(reinterpret_cast<const uint16_t*>(base + vectors * 64 * g + 32 * (j0 + j)));
+      for (int r = 0; r < R; ++r) {
+        const V::I T = H == 2 ? V::add(sums[r][j][0], sums[r][j][H - 1]) : sums[r][j][0];
+        acc[r][j] = V::fma(d, V::fmul(V::cvt(T), V::fset1(x.dx(r, blk))), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) V::store(y + r * N + 16 * j, acc[r][j]);
+}
+
 // R rows (1 to kMaxRows) of J tiles, from tile j0, of a group of g tiles of one type.
 template <int R, int J>
 void tiles_rows(int64_t type, const uint8_t* base, int64_t g, int64_t j0, const Act& x, int64_t K, float* y, int64_t N) {
   if (type == kQ6K) return q6k_tiles<R, J>(base, g, j0, x, K, y, N);
+  if (type == kQ50) return q32_tiles<R, J, kQ50>(base, g, j0, x, K, y, N);
+  if (type == kQ80) return q32_tiles<R, J, kQ80>(base, g, j0, x, K, y, N);
   q4k_tiles<R, J>(base, g, j0, x, K, y, N);
 }
 
