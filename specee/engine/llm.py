@@ -137,8 +137,9 @@ class LLM:
 
     model: a checkpoint directory, a .gguf file (or a directory holding one), or a Hugging Face hub
     id (`revision` picks a branch, tag or commit). quantization: "auto" (the default, as on the
-    command line: the fastest measured; on CPU a GGUF's own precision, Q4_K/Q6_K as stored,
-    Q4_0/Q4_1 -> int4, Q5/Q8 -> int8, float -> float; on CUDA, where nothing is measured yet, float),
+    command line: the fastest measured; on CPU a GGUF's own precision, Q4_K/Q6_K/Q5_0/Q8_0 as
+    stored, Q4_0/Q4_1 -> int4, other Q5/Q8 -> int8, float -> float; on CUDA, where nothing is
+    measured yet, float),
     "int4", "int8" or None (float weights). early_exit: an EarlyExitConfig. Its bank is
     loaded (and checked against this target and drafter); without one, a bank is calibrated once
     and cached under ~/.cache/specee/banks, keyed by the target's and drafter's fingerprints and the dtype.
