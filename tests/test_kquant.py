@@ -128,16 +128,23 @@ def test_kernel_equals_the_integer_reference_bit_for_bit(qtype, rows, level):
     np.testing.assert_array_equal(y.numpy(), reference(w, x))
 
 
-@torch.inference_mode()
-def test_rows_are_the_same_whatever_rows_share_the_call_and_fused_types_split(level):
-    parts = [random_blocks(T.Q4_K, 80, 768, 1), random_blocks(T.Q6_K, 16, 768, 2), random_blocks(T.Q4_K, 32, 768, 3)]
-    lin = KQuantLinear(parts, torch.randn(128), kernel())
-    x = activations(8, 768, seed=7)
+def check_fused_rows(parts: list[GGUFWeight], reference_of) -> tuple[KQuantLinear, torch.Tensor, torch.Tensor]:
+    """Fused parts with a bias over 8 rows: each row alone gives what it gives among the 8, and the
+    output is each part's reference side by side. Returns (the linear, x, y) for further checks."""
+    lin = KQuantLinear(parts, torch.randn(sum(p.shape[0] for p in parts)), kernel())
+    x = activations(8, parts[0].shape[1], seed=7)
     y = lin(x)
     for r in range(8):
         assert torch.equal(lin(x[r:r + 1])[0], y[r])
-    want = np.concatenate([reference(p, x) for p in parts], 1) + lin.bias.numpy()
+    want = np.concatenate([reference_of(p, x) for p in parts], 1) + lin.bias.numpy()
     np.testing.assert_array_equal(y.numpy(), want)
+    return lin, x, y
+
+
+@torch.inference_mode()
+def test_rows_are_the_same_whatever_rows_share_the_call_and_fused_types_split(level):
+    parts = [random_blocks(T.Q4_K, 80, 768, 1), random_blocks(T.Q6_K, 16, 768, 2), random_blocks(T.Q4_K, 32, 768, 3)]
+    lin, x, y = check_fused_rows(parts, reference)
     plain = KQuantLinear(parts, None, kernel())
     assert torch.equal(plain(x.bfloat16()), plain(x.bfloat16().float()).bfloat16())  # bf16 widens exactly
     kv = lin.take_rows(slice(80, None))

@@ -25,7 +25,7 @@ from specee.model.quant_gguf import KQuantLinear, repack
 
 from gguf_checkpoints import TinyGGUF, write_gguf
 from test_gguf_tokenizer import FILES
-from test_kquant import activations, fma, kernel, random_blocks as k_blocks, reference as k_reference
+from test_kquant import activations, check_fused_rows, fma, kernel, random_blocks as k_blocks, reference as k_reference
 from test_quant_int8 import assert_same_greedy, fake_quantized_twin, int8, level, quantize_activations  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -99,15 +99,9 @@ def test_one_block_one_tile_and_long_rows(N, K, level):
 def test_rows_are_the_same_whatever_rows_share_the_call_and_fused_types_split(level):
     """Qwen2.5-0.5B's q/k/v: Q5_0 q and k, Q8_0 v, width 896, with a bias."""
     parts = [random_blocks(T.Q5_0, 96, 896, 1), random_blocks(T.Q5_0, 32, 896, 2), random_blocks(T.Q8_0, 32, 896, 3)]
-    lin = KQuantLinear(parts, torch.randn(160), kernel())
-    x = activations(8, 896, seed=7)
-    y = lin(x)
-    for r in range(8):
-        assert torch.equal(lin(x[r:r + 1])[0], y[r])
+    lin, x, y = check_fused_rows(parts, reference)
     for n in (2, 3, 5):
         assert torch.equal(lin(x[8 - n:]), y[8 - n:])
-    want = np.concatenate([reference(p, x) for p in parts], 1) + lin.bias.numpy()
-    np.testing.assert_array_equal(y.numpy(), want)
     plain = KQuantLinear(parts, None, kernel())
     assert torch.equal(plain(x.bfloat16()), plain(x.bfloat16().float()).bfloat16())  # bf16 widens exactly
     kv = lin.take_rows(slice(96, None))
