@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <tuple>
 #include <vector>
 
 #include "int4_matmul.h"
@@ -66,6 +65,14 @@ void rope(const float* x, const float* cos, const float* sin, float* out, int64_
   for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + x[d + half] * sin[d];
   for (int64_t d = half; d < D; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
+
+// One row's attention to one kv head's keys (its group of query heads): `len` slots, run by `thread`.
+struct Unit {
+  int64_t len;
+  size_t row;  // index in the rows that attend alone
+  int64_t kv_head;
+  int64_t thread;
+};
 
 // rms_norm of every row of x [S, n] into out
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t S, int64_t n, double eps) {
@@ -143,22 +150,27 @@ class DecodeLayer {
       qs[g] = at::empty({1, NH, n, D}, h.options());
       float* qo = qs[g].data_ptr<float>();
       for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[first + i] < len, "DecodeLayer: slot past the cache");
+      float* K = half ? nullptr : kc.data_ptr<float>();
+      float* V = half ? nullptr : vc.data_ptr<float>();
+      at::Half* K16 = half ? kc.data_ptr<at::Half>() : nullptr;
+      at::Half* V16 = half ? vc.data_ptr<at::Half>() : nullptr;
+      const float* rows_qkv = qkv.data_ptr<float>();
       at::parallel_for(0, n, std::max<int64_t>(1, kGrain / W), [&](int64_t i0, int64_t i1) {
         float k_row[256];  // a float16 cache's key row, rotated before it is rounded (head_dim <= 256)
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = first + i;
-          const float* row = qkv.data_ptr<float>() + r * W;
+          const float* row = rows_qkv + r * W;
           for (int64_t j = 0; j < NH; ++j) rope(row + j * D, cs + r * D, sg + r * D, qo + (j * n + i) * D, D);
           for (int64_t j = 0; j < NKV; ++j) {
             const float* value = row + (NH + NKV + j) * D;
             const int64_t at_k = j * ks + slot[r] * D, at_v = j * vs + slot[r] * D;
             if (half) {
               rope(row + (NH + j) * D, cs + r * D, sg + r * D, k_row, D);
-              to_half(k_row, kc.data_ptr<at::Half>() + at_k, D);
-              to_half(value, vc.data_ptr<at::Half>() + at_v, D);
+              to_half(k_row, K16 + at_k, D);
+              to_half(value, V16 + at_v, D);
             } else {
-              rope(row + (NH + j) * D, cs + r * D, sg + r * D, kc.data_ptr<float>() + at_k, D);
-              std::copy(value, value + D, vc.data_ptr<float>() + at_v);
+              rope(row + (NH + j) * D, cs + r * D, sg + r * D, K + at_k, D);
+              std::copy(value, value + D, V + at_v);
             }
           }
         }
@@ -173,37 +185,37 @@ class DecodeLayer {
     // first, each to the least loaded thread, so one long request does not leave the other threads waiting
     // (contiguous halves of the rows did: 8 requests of 99-831 tokens, libgomp spun 20% of a step)
     const int64_t group = NH / NKV;
-    std::vector<std::tuple<int64_t, size_t, int64_t>> units;  // (prefix length, index in `alone`, kv head)
-    units.reserve(alone.size() * NKV);
+    // reused across calls (the engine thread's): a layer call allocates nothing for the plan
+    thread_local std::vector<Unit> units;
+    thread_local std::vector<int64_t> load;
+    units.clear();
     for (size_t a = 0; a < alone.size(); ++a) {
       const auto [g, i] = alone[a];
       const int64_t len = rows[g] == 1 ? kv_lens[g] : slot[firsts[g] + i] + 1;
-      for (int64_t j = 0; j < NKV; ++j) units.emplace_back(len, a, j);
+      for (int64_t j = 0; j < NKV; ++j) units.push_back({len, a, j, 0});
     }
-    std::sort(units.begin(), units.end(), [](const auto& x, const auto& y) { return std::get<0>(x) > std::get<0>(y); });
+    std::sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) { return x.len > y.len; });
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(units.size()));
-    std::vector<std::vector<size_t>> share(threads);
-    std::vector<int64_t> load(threads, 0);
-    for (size_t u = 0; u < units.size(); ++u) {
-      const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
-      share[t].push_back(u);
-      load[t] += std::get<0>(units[u]) + 16;  // + a unit's fixed cost
+    load.assign(threads, 0);
+    for (Unit& u : units) {
+      u.thread = std::min_element(load.begin(), load.end()) - load.begin();
+      load[u.thread] += u.len + 16;  // + a unit's fixed cost
     }
+    const std::vector<Unit>& plan = units;  // this thread's, named for the workers (thread_local is per thread)
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        for (const size_t u : share[t]) {
-          const auto [len, a, j] = units[u];
-          const auto [g, i] = alone[a];
-          const at::Tensor &kc = k[g], &vc = v[g];
-          const float* q = qs[g].data_ptr<float>() + i * D + j * group * rows[g] * D;
-          float* o = attn.data_ptr<float>() + (firsts[g] + i) * NH * D + j * group * D;
-          if (kc.scalar_type() == at::kHalf)
-            row_attention(q, rows[g] * D, kc.data_ptr<at::Half>() + j * kc.stride(1), kc.stride(1),
-                          vc.data_ptr<at::Half>() + j * vc.stride(1), vc.stride(1), len, D, group, 1, o);
-          else
-            row_attention(q, rows[g] * D, kc.data_ptr<float>() + j * kc.stride(1), kc.stride(1),
-                          vc.data_ptr<float>() + j * vc.stride(1), vc.stride(1), len, D, group, 1, o);
-        }
+      for (const Unit& u : plan) {
+        if (u.thread < t0 || u.thread >= t1) continue;
+        const auto [g, i] = alone[u.row];
+        const int64_t j = u.kv_head, len = u.len;
+        const at::Tensor &kc = k[g], &vc = v[g];
+        const float* q = qs[g].data_ptr<float>() + i * D + j * group * rows[g] * D;
+        float* o = attn.data_ptr<float>() + (firsts[g] + i) * NH * D + j * group * D;
+        if (kc.scalar_type() == at::kHalf)
+          row_attention(q, rows[g] * D, kc.data_ptr<at::Half>() + j * kc.stride(1), kc.stride(1),
+                        vc.data_ptr<at::Half>() + j * vc.stride(1), vc.stride(1), len, D, group, 1, o);
+        else
+          row_attention(q, rows[g] * D, kc.data_ptr<float>() + j * kc.stride(1), kc.stride(1),
+                        vc.data_ptr<float>() + j * vc.stride(1), vc.stride(1), len, D, group, 1, o);
       }
     });
     for (size_t g = 0; g < rows.size(); ++g) {
