@@ -37,10 +37,10 @@ def test_equal_sources_in_two_trees_resolve_to_one_build_and_a_changed_byte_to_a
     assert build.build_name(kernels.PREFIX, a, ["-O2"]) != name  # and the flags
 
 
-def load_in_subprocess(source: Path, ext_dir: Path) -> subprocess.CompletedProcess:
+def load_in_subprocess(source: Path, ext_dir: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     code = ("import sys; from pathlib import Path; from specee.model.kernels import build; "
             f"print(build.load('tiny', [Path({str(source)!r})], ['-O0']).answer())")
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir)})
 
 
@@ -65,3 +65,17 @@ def test_a_build_says_so_and_a_second_tree_with_the_same_sources_does_not_rebuil
     os.utime(copy, ns=(stamp + 10**9, stamp + 10**9))
     touched = load_in_subprocess(second, ext)
     assert touched.returncode == 0 and "specee: rebuilt the C++ extension" in touched.stderr
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_with_a_note_instead_of_hanging_every_later_run(tmp_path):
+    """torch waits forever while its build directory holds a `lock` file; a build killed midway left one."""
+    ext, source = tmp_path / "ext", tmp_path / "tiny.cpp"
+    source.write_text(TINY)
+    built = load_in_subprocess(source, ext)
+    if built.returncode:
+        pytest.skip(f"no C++ toolchain here: {built.stderr.strip().splitlines()[-1:]}")
+    (root,) = ext.glob("tiny_*")
+    (root / "lock").touch()  # what torch's FileBaton leaves when its process dies mid-build
+    again = load_in_subprocess(source, ext, timeout=120)
+    assert again.returncode == 0 and again.stdout.strip() == "42"
+    assert "left by a build that was killed" in again.stderr and not (root / "lock").exists()

@@ -61,9 +61,27 @@ def use_chat_template(llm, no_chat: bool) -> bool:
     return True
 
 
+def check_fits_before_loading(args: argparse.Namespace, prompt: str, params) -> None:
+    """A prompt too long for the model's context fails here, in a second, not after the weights load
+    (and, on a first run, the kernels build). The engine checks again; this is the early word."""
+    from ..engine.scheduler import check_fits
+    from ..model.llama import model_config
+    from ..tokenizer import Tokenizer
+
+    model_dir = resolve_model_dir(args.model, args.revision)
+    tokenizer = Tokenizer(model_dir)
+    chat = not args.no_chat and tokenizer.chat_template is not None
+    ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    try:
+        check_fits(model_config(model_dir).context_limit, len(ids), params.max_tokens)
+    except ValueError as e:
+        raise CLIError(f"--prompt: {cli_wording(str(e))}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     params = sampling_params(args)  # before loading, so bad values fail fast
+    check_fits_before_loading(args, prompt, params)
     llm = load_llm(args)
     chat = use_chat_template(llm, args.no_chat)
     if args.json:

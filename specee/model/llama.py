@@ -24,6 +24,15 @@ from .resolve import is_gguf, local_model
 from .weights import check_config_fits, read_state_dict, take
 
 
+def model_config(source: str | Path) -> ModelConfig:
+    """A checkpoint directory's or GGUF file's config, without reading its weights (the CLI checks a
+    prompt against the context with it before loading anything)."""
+    path = local_model(source)
+    if is_gguf(path):
+        return config_from_gguf(open_gguf(path), path)
+    return ModelConfig.from_file(path / "config.json")
+
+
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
@@ -212,12 +221,10 @@ class Transformer:
         """source: a checkpoint directory (config.json + safetensors), a .gguf file, or a directory holding one.
         quantization: see __init__; a quantized GGUF's weight matrices then stay raw blocks until repacked."""
         path = local_model(source)
+        cfg = model_config(path)
         if is_gguf(path):
-            gguf_file = open_gguf(path)
-            cfg = config_from_gguf(gguf_file, path)
-            tensors = read_gguf_state_dict(gguf_file, cfg, path, dtype, raw_matrices=quantization is not None)
+            tensors = read_gguf_state_dict(open_gguf(path), cfg, path, dtype, raw_matrices=quantization is not None)
             return cls(cfg, tensors, torch.device(device), dtype, path, quantization, kv_cache_dtype)
-        cfg = ModelConfig.from_file(path / "config.json")
         return cls(cfg, read_state_dict(path), torch.device(device), dtype, path, quantization, kv_cache_dtype)
 
     def weight_bytes(self) -> int:

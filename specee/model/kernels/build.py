@@ -7,9 +7,15 @@ bytes, the flags and the torch/Python versions, and the sources are compiled fro
 build directory, so identical sources give one build command whatever their path, and different
 sources never share a directory. A build that is about to happen says so on stderr (and one that
 ninja starts on its own, on a newer source or header, says so when it is done).
+
+torch marks a build in progress with a `lock` file in its directory and waits, forever, while one is
+there: a build killed midway (Ctrl-C during the first run's 40 s, an OOM kill) left every later run
+hanging without a word. Builds here hold an advisory lock instead, which the system drops with its
+process, so a `lock` file found while holding it is a dead build's and is removed, saying so.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -50,15 +56,38 @@ def load(prefix: str, sources: list[Path], cflags: list[str], what: str = "C++ e
     src = root / "src"
     copies = [_place(s, src) for s in sources]  # the build reads these, so its command names no checkout
     so = root / f"{name}.so"
-    before = _stamp(so)
-    if before is None:
-        print(f"specee: building the {what} for this machine (once for these sources{duration}) in {root}",
-              file=sys.stderr, flush=True)
-    module = cpp_extension.load(name, [str(c) for c in copies if c.suffix == ".cpp"], extra_cflags=cflags,
-                                extra_include_paths=[str(src)], build_directory=str(root), verbose=False)
+    with _building(root, so):
+        before = _stamp(so)
+        if before is None:
+            print(f"specee: building the {what} for this machine (once for these sources{duration}) in {root}",
+                  file=sys.stderr, flush=True)
+        module = cpp_extension.load(name, [str(c) for c in copies if c.suffix == ".cpp"], extra_cflags=cflags,
+                                    extra_include_paths=[str(src)], build_directory=str(root), verbose=False)
     if before is not None and _stamp(so) != before:  # ninja found something newer (torch's headers?)
         print(f"specee: rebuilt the {what} in {root}", file=sys.stderr, flush=True)
     return module
+
+
+@contextlib.contextmanager
+def _building(root: Path, so: Path):
+    """Hold the build directory's advisory lock (waiting while another process builds or loads, and
+    saying so when it builds); remove torch's `lock` file if a killed build left one."""
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "specee-build.lock", "w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not so.exists():
+                print(f"specee: waiting for another process's build in {root}", file=sys.stderr, flush=True)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = root / "lock"
+        if stale.exists():
+            print(f"specee: removing {stale}, left by a build that was killed before it finished",
+                  file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _stamp(path: Path) -> int | None:
