@@ -1,6 +1,7 @@
 """Sampling parameters (shaped like vLLM's) and the token choice from logits."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -97,7 +98,18 @@ def sample(logits: torch.Tensor, params: SamplingParams,
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax per row, or NONFINITE_TOKEN where the row's best logit is NaN or Inf (a NaN
-    anywhere in a row makes its max NaN)."""
+    """The argmax per row (its first index), or NONFINITE_TOKEN where the row's best logit is NaN or
+    Inf (a NaN anywhere in a row makes its max NaN). On the CPU one C++ call (greedy.cpp) does what
+    torch does in three, several times faster a row."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and (
+            kernels := _cpu_kernels()) is not None:
+        return kernels.greedy_rows(logits.contiguous())
     best, tokens = logits.max(dim=-1)
     return torch.where(best.isfinite(), tokens, NONFINITE_TOKEN)
+
+
+@functools.cache
+def _cpu_kernels():
+    from .model.kernels import cpu_kernels
+
+    return cpu_kernels()

@@ -371,3 +371,33 @@ def test_stream_runs_on_the_engine_thread_and_stops_when_closed(llm, monkeypatch
     time.sleep(0.05)
     assert threads == {llm.worker._thread.ident} != {threading.get_ident()}
     assert after_close == len(decoded) < 39  # nothing decoded after the close
+
+
+def test_the_cpu_greedy_kernel_picks_torchs_token_on_ties_nans_and_infinities():
+    """greedy.cpp against torch's max + isfinite (what greedy() runs elsewhere), at each level here."""
+    from specee.model import kernels
+    from specee.sampling import NONFINITE_TOKEN, greedy
+
+    if kernels.cpu_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1, 5, 16, 17, 33, 49152, 49157):
+        x = torch.randn(10, vocab, generator=g)
+        x[1] = (x[1] * 2).round()  # many ties: the first index wins
+        x[2, vocab // 2] = float("nan")
+        x[3, vocab - 1] = float("inf")
+        x[4] = float("-inf")
+        x[5, 0] = float("-inf")
+        x[6, vocab - 1] = x[6].max() + 1  # the best in the tail past the last 16-wide block
+        x[7] = 3.0  # all tied
+        x[8, vocab - 1] = float("nan")  # a NaN in the tail
+        best, tokens = x.max(dim=-1)
+        want = torch.where(best.isfinite(), tokens, NONFINITE_TOKEN)
+        for level in kernels.LEVELS[: kernels.cpu_kernels().int4_best_level() + 1]:
+            before = kernels.use_level(level)
+            try:
+                got = greedy(x)
+            finally:
+                kernels.use_level(before)
+            assert got.tolist() == want.tolist(), (vocab, level)
+    assert greedy(x[:, ::2]).tolist() == greedy(x[:, ::2].contiguous()).tolist()  # a strided view

@@ -590,3 +590,25 @@ def test_the_gate_plays_the_faster_arm_per_batch_size_and_keeps_trying_the_other
         tries = [i for i, c in enumerate(choices[6:]) if c != best]
         assert 3 <= len(tries) <= 6 and tries[0] == 7, (batch, choices)  # after 8 steps, then ever rarer
         assert all(b - a >= 8 for a, b in zip(tries, tries[1:]))
+
+
+@pytest.mark.parametrize("pays_alone", [False, True])
+def test_a_larger_batch_starts_without_drafts_where_they_lost_at_a_smaller_one(pays_alone):
+    """Where drafts lost alone, a first batch of 4 plays plain steps first and only explores drafts
+    (warming them up cost what they lose); where they paid alone, batch 4 warms them up first."""
+    from specee.speculative.gate import SpeculationGate
+
+    gate = SpeculationGate(explore=8, max_gap=32, warmup=(4, 2))
+    alone = {True: 200.0 if pays_alone else 90.0, False: 100.0}
+    for _ in range(40):
+        on = gate.begin_step(1)
+        gate.end_step(int(alone[on]), 1.0)
+    choices = []
+    for _ in range(24):
+        on = gate.begin_step(4)
+        choices.append(on)
+        gate.end_step(int({True: 150.0, False: 380.0}[on]), 1.0)
+    if pays_alone:
+        assert choices[:6] == [True] * 4 + [False] * 2
+    else:
+        assert choices[:8] == [False] * 8 and 1 <= sum(choices) <= 2, choices  # drafts only explored

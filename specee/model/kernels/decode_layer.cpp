@@ -10,6 +10,7 @@
 #include <cmath>
 #include <vector>
 
+#include "greedy.h"
 #include "int4_matmul.h"
 #include "kquant.h"
 #include "row_attention.h"
@@ -296,4 +297,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_mm", &kquant_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_check", &kquant_check);
   m.def("row_attention_available", &row_attention_available);
+  m.def("greedy_rows", &greedy_rows);
 }
