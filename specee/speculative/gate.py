@@ -3,14 +3,22 @@
 Extra draft rows are nearly free at batch 1 on a memory-bound machine and cost full price once the
 batch makes the products compute-bound; where that happens depends on the model, the CPU and the
 drafter (vLLM's `disable_by_batch_size` is a fixed number for this). The gate keeps, per batch size
-(in powers of two), the recent throughput of steps with and without drafts (a decaying sum), plays
-the better one and tries the other now and then. A step without drafts runs full depth's row and
-choice (the drafter still sees the token), so the output does not depend on the choice (greedy stays full depth's tokens).
+(in powers of two), the recent throughput of steps with and without drafts, plays the better one
+and tries the other now and then. A step without drafts runs full depth's row and choice (the
+drafter still sees the token), so the output does not depend on the choice (greedy stays full
+depth's tokens).
 
-Extra rows only cost more as the batch grows, so where drafting lost at a smaller batch, a larger
-batch seen for the first time starts without drafts and only explores them: warming drafts up first
-cost what they lose (Qwen2.5-Coder-1.5B with its 0.5B draft model, 4 requests x 64 tokens: 0.73x of
-full depth, drafts having lost alone already).
+Trying drafts again is what costs (Qwen2.5-Coder-1.5B with its 0.5B draft model, 4 requests x 64
+tokens: 0.63x of full depth's decode with drafts explored twice after losing alone), so:
+- a draft model first catches up on every token it skipped: the first drafting step after plain
+  ones is not measured (it says what switching costs, not what drafting does), and a try lasts
+  until one step is;
+- the gap between tries doubles while the same arm wins, and is at least what keeps a losing
+  try's excess time under `explore_share` of the steps between tries;
+- extra rows only cost more as the batch grows: where drafts lost at a smaller batch, a larger
+  batch seen for the first time starts without drafts, with that batch's gap;
+- a try's measurement replaces the losing arm's (one step slowed by anything else kept its arm
+  losing for the rest of a run while newer tries only nudged a decaying sum).
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 class Arm:
     tokens: float = 0.0
     seconds: float = 0.0
+    weight: float = 0.0  # decayed count of steps
     steps: int = 0
 
     def rate(self) -> float:
@@ -29,6 +38,7 @@ class Arm:
     def add(self, tokens: int, seconds: float, decay: float) -> None:
         self.tokens = self.tokens * decay + tokens
         self.seconds = self.seconds * decay + seconds
+        self.weight = self.weight * decay + 1
         self.steps += 1
 
 
@@ -36,52 +46,75 @@ class Arm:
 class Bucket:
     spec: Arm
     plain: Arm
-    gap: int  # steps between two tries of the losing arm (doubles while it keeps losing)
+    gap: int  # steps between two tries of the losing arm
     since: int = 0
     best: bool = True
-    spec_warmup: int = 0  # steps with drafts played before comparing (0: drafts lost at a smaller batch)
+    spec_warmup: int = 0  # measured steps with drafts before comparing (0: drafts lost at a smaller batch)
+    trying: bool = False  # playing the losing arm until it has one measured step
+    tried_tokens: int = 0  # what the current try of drafts emitted, and in how long (measured or not)
+    tried_seconds: float = 0.0
 
 
 class SpeculationGate:
-    """warmup: steps each arm plays first at a new batch size (drafts first). Exploring costs what the
-    losing arm costs (a draft model's step can cost several plain ones), so the gap between tries
-    doubles, up to `max_gap`, while the same arm keeps winning, and shrinks back when the choice flips."""
+    """warmup: measured steps each arm plays first at a new batch size (drafts first)."""
 
-    def __init__(self, explore: int = 8, max_gap: int = 64, decay: float = 0.9, warmup: tuple[int, int] = (4, 2)):
+    def __init__(self, explore: int = 8, max_gap: int = 64, decay: float = 0.9, warmup: tuple[int, int] = (4, 2),
+                 explore_share: float = 0.05, longest_gap: int = 1024):
         self.explore, self.max_gap, self.decay, self.warmup = explore, max_gap, decay, warmup
+        self.explore_share, self.longest_gap = explore_share, longest_gap
         self.buckets: dict[int, Bucket] = {}
         self.current: Bucket | None = None
         self.on = True
+        self.drafted_last = True  # whether the step before drafted (a draft model is then caught up)
 
     def begin_step(self, batch_size: int) -> bool:
         """Whether this step's requests draft."""
         key = max(batch_size, 1).bit_length()
         if key not in self.buckets:
-            lost = self.lost_below(key)
-            self.buckets[key] = Bucket(Arm(), Arm(), self.explore, best=not lost, spec_warmup=0 if lost else self.warmup[0])
+            below = self.measured_below(key)
+            lost = below is not None and below.spec.rate() < below.plain.rate()
+            self.buckets[key] = Bucket(Arm(), Arm(), below.gap if lost else self.explore, best=not lost,
+                                       spec_warmup=0 if lost else self.warmup[0])
         b = self.current = self.buckets[key]
         if b.spec.steps < b.spec_warmup or b.plain.steps < self.warmup[1]:
             self.on = b.spec.steps < b.spec_warmup
+            return self.on
+        if b.trying:
+            self.on = not b.best
             return self.on
         best = b.spec.rate() >= b.plain.rate()
         if best != b.best:
             b.best, b.gap = best, self.explore
         b.since += 1
-        if b.since >= b.gap:  # try the other arm
-            b.since, b.gap = 0, min(2 * b.gap, self.max_gap)
-            self.on = not best
-        else:
-            self.on = best
+        b.trying = b.since >= b.gap
+        self.on = best != b.trying
         return self.on
 
-    def lost_below(self, key: int) -> bool:
-        """Whether drafts lost at the largest smaller batch where both arms have played."""
+    def measured_below(self, key: int) -> Bucket | None:
+        """The largest smaller batch where both arms have been measured."""
         measured = [k for k, b in self.buckets.items() if k < key and b.spec.steps and b.plain.steps]
-        if not measured:
-            return False
-        b = self.buckets[max(measured)]
-        return b.spec.rate() < b.plain.rate()
+        return self.buckets[max(measured)] if measured else None
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step of only decoding requests emitted `tokens` in `seconds` (drafting included)."""
-        (self.current.spec if self.on else self.current.plain).add(tokens, seconds, self.decay)
+        b, switched = self.current, self.on and not self.drafted_last
+        self.drafted_last = self.on
+        if b.trying and self.on:
+            b.tried_tokens, b.tried_seconds = b.tried_tokens + tokens, b.tried_seconds + seconds
+        if switched:
+            return
+        (b.spec if self.on else b.plain).add(tokens, seconds, 0.0 if b.trying else self.decay)
+        if b.trying:
+            self.tried(b)
+
+    def tried(self, b: Bucket) -> None:
+        """A try is over: the gap to the next one doubles, and where drafts lost, also keeps the try's
+        excess time (over what plain steps take for its tokens) within `explore_share` of the gap."""
+        b.trying, b.since = False, 0
+        gap = min(2 * b.gap, self.max_gap)
+        if b.tried_tokens and b.plain.tokens and b.spec.rate() < b.plain.rate():
+            plain_step = b.plain.seconds / b.plain.weight
+            excess = b.tried_seconds - b.tried_tokens / b.plain.rate()
+            gap = max(gap, round(excess / plain_step / self.explore_share))
+        b.gap = min(gap, self.longest_gap)
+        b.tried_tokens, b.tried_seconds = 0, 0.0
