@@ -4,17 +4,20 @@ For each mode (full depth, speculative configs) and each concurrency c, the same
 served c at a time (`LLM.generate` over c prompts, greedy, EOS ignored so every request makes
 max_tokens) and one at a time; it reports generated tokens per second of wall time, and each
 ratio within this one run. It uses only `LLM(...)` and `generate`, so it runs on older commits
-too (to compare a change against its parent on the same machine).
+too (to compare a change against its parent on the same machine). With `--rounds N` the modes take
+turns N times and each figure is the median of its N: the development VMs' speed drifts by a
+quarter within minutes, which one pass per mode attributes to whichever mode ran then.
 
     python benchmarks/bench_engine.py --model ../shared/models/smollm2-135m-instruct --prompts 8 \
         --concurrency 1 4 8 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
-        --early-exit '{"draft": "ngram", "mode": "lossless"}'
+        --early-exit '{"draft": "ngram", "mode": "lossless"}' --rounds 3
 """
 from __future__ import annotations
 
 import argparse
 import inspect
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -59,6 +62,7 @@ def main() -> None:
     ap.add_argument("--speculative-config", action="append", default=[], type=json.loads)
     ap.add_argument("--early-exit", action="append", default=[], type=json.loads, metavar="JSON",
                     help='EarlyExitConfig fields, e.g. {"draft": "ngram", "mode": "lossless"} (calibrates once)')
+    ap.add_argument("--rounds", type=int, default=1, help="modes take turns this many times; figures are medians")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -70,21 +74,27 @@ def main() -> None:
     llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization, **extra)
     modes = [("full depth", None)] + [(json.dumps(c, sort_keys=True), c) for c in args.speculative_config]
     modes += [("early exit " + json.dumps(c, sort_keys=True), EarlyExitConfig(**c)) for c in args.early_exit]
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name, _ in modes}
+    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_tokens} tokens, "
+          f"{args.rounds} round(s)")
+    for _ in range(args.rounds):
+        for name, config in modes:
+            if isinstance(config, EarlyExitConfig):
+                llm.enable_early_exit(config)
+                llm.calibrate()
+            else:
+                llm.early_exit = None
+                llm.enable_speculative(config)
+            serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
+            for c in args.concurrency:
+                seconds, tokens, decode_seconds, decoded = serve(llm, prompts, params, c)
+                samples[name].setdefault(f"c{c}", []).append(tokens / seconds)
+                samples[name].setdefault(f"decode_c{c}", []).append(decoded / decode_seconds)
     results = []
-    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_tokens} tokens")
-    for name, config in modes:
-        if isinstance(config, EarlyExitConfig):
-            llm.enable_early_exit(config)
-            llm.calibrate()
-        else:
-            llm.early_exit = None
-            llm.enable_speculative(config)
-        serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
-        row = {"mode": name}
-        for c in args.concurrency:
-            seconds, tokens, decode_seconds, decoded = serve(llm, prompts, params, c)
-            row[f"c{c}"] = round(tokens / seconds, 2)
-            row[f"decode_c{c}"] = round(decoded / decode_seconds, 2)
+    for name, _ in modes:
+        row = {"mode": name, **{k: round(statistics.median(v), 2) for k, v in samples[name].items()}}
+        if args.rounds > 1:
+            row["rounds"] = {k: [round(x, 2) for x in v] for k, v in samples[name].items()}
         results.append(row)
         for key, what in (("c", "end to end"), ("decode_c", "decode phase")):
             base = row[f"{key}{args.concurrency[0]}"]
