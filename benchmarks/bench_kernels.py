@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specee.engine.full_depth import decode_step  # noqa: E402
 from specee.model.config import ModelConfig  # noqa: E402
+from specee.model.gguf_blocks import GGUFWeight  # noqa: E402
 from specee.model.llama import Transformer  # noqa: E402
 from specee.model.quant import Int4Linear, Int8Linear  # noqa: E402
 
@@ -131,7 +132,10 @@ def bytes_read_per_token(model: Transformer) -> int:
             return [t for t in (lin.packed, lin.scales_and_zeros, lin.bias) if t is not None]
         return lin.tensors()
     emb = model.embedding
-    total = emb[0].numel() * emb.element_size() if getattr(model.head, "weight", None) is not emb else 0
+    if isinstance(emb, GGUFWeight):  # the file's blocks: one row's bytes
+        total = emb.data[0].nbytes
+    else:
+        total = emb[0].numel() * emb.element_size() if getattr(model.head, "weight", None) is not emb else 0
     for t in [model.final_norm, *operands(model.head)]:
         total += t.numel() * t.element_size()
     for w in model.layers:

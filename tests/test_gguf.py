@@ -254,3 +254,23 @@ def test_an_opened_gguf_keeps_its_metadata_and_tensors_but_not_the_parsed_vocabu
     gc.collect()
     views = sum(type(o) is np.memmap for o in gc.get_objects())
     assert views < 5000, f"{views} numpy memmaps alive: a parsed vocabulary is being kept"
+
+
+def test_a_quantized_gguf_keeps_its_embedding_as_blocks_and_looks_up_the_same_rows():
+    """On the CPU the table stays the file's blocks (no float32 copy: 890 MiB for Qwen2.5-1.5B); its
+    rows dequantize on lookup to exactly what the float table held."""
+    import torch
+
+    from specee.model.gguf_blocks import GGUFWeight
+    from specee.model.llama import Transformer
+
+    SMOLLM2_GGUF = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not SMOLLM2_GGUF.is_file():
+        pytest.skip(f"{SMOLLM2_GGUF} not found (../shared is absent)")
+    quantized = Transformer.load(SMOLLM2_GGUF, quantization="auto")
+    table = Transformer.load(SMOLLM2_GGUF).embedding  # float weights: the dequantized table
+    assert isinstance(quantized.embedding, GGUFWeight) and isinstance(table, torch.Tensor)
+    ids = torch.tensor([[0, 5, 49151, 5], [123, 7, 7, 42]])
+    assert torch.equal(quantized.embed(ids), torch.nn.functional.embedding(ids, table))
+    assert quantized.embed(ids[:, :0]).shape == (2, 0, 576)  # a step whose rows all carry over (lossless flush)
+    assert quantized.embedding.data.nbytes < table.numel() * table.element_size() / 3  # Q8_0: 8.5 bits a weight

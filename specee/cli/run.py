@@ -69,11 +69,15 @@ def check_fits_before_loading(args: argparse.Namespace, prompt: str, params) -> 
     from ..tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(args.model, args.revision)
-    tokenizer = Tokenizer(model_dir)
+    context = model_config(model_dir).context_limit  # first: it names a truncated or corrupt file as such
+    try:
+        tokenizer = Tokenizer(model_dir)
+    except (ValueError, OSError):
+        return  # loading says what is wrong with the checkpoint, weights first
     chat = not args.no_chat and tokenizer.chat_template is not None
     ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     try:
-        check_fits(model_config(model_dir).context_limit, len(ids), params.max_tokens)
+        check_fits(context, len(ids), params.max_tokens)
     except ValueError as e:
         raise CLIError(f"--prompt: {cli_wording(str(e))}") from None
 

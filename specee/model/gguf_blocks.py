@@ -37,6 +37,14 @@ class GGUFWeight:
             return torch.from_numpy(np.require(dequantize(self.data, self.qtype), np.float32, ["C", "W"]))
         return torch.from_numpy(_dequantize_blocks(self.qtype, self.data).reshape(self.shape))
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [n] as `dequantize()` gives them, [n, K] float32: an embedding lookup that leaves
+        the table in its blocks."""
+        if not ids.numel():
+            return torch.empty(0, self.shape[1])
+        picked = np.ascontiguousarray(self.data[ids.cpu().numpy()])
+        return GGUFWeight(self.qtype, picked).dequantize().reshape(len(picked), self.shape[1])
+
     def to(self, device=None, dtype=None) -> torch.Tensor:
         """As a float tensor (the embedding, norms, or a weight the caller wants float)."""
         return self.dequantize().to(device=device, dtype=dtype)

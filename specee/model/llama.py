@@ -111,9 +111,9 @@ class Transformer:
                  dtype: torch.dtype, source: Path, quantization: str | None = None, kv_cache_dtype: str = "auto"):
         """tensors: HF-named weights, float tensors or GGUF raw blocks (GGUFWeight). quantization:
         None (float linears in `dtype`), "int4", "int8" or "auto" (see quant.linear_from_parts).
-        Fused q/k/v and gate/up are quantized fused; the embedding stays float, and a tied LM head
-        gets its own quantized copy whose rows early exit can still gather. kv_cache_dtype: see
-        `kv_dtype_for`."""
+        Fused q/k/v and gate/up are quantized fused; the embedding stays float (a GGUF's on the CPU:
+        its blocks, rows dequantized on lookup), and a tied LM head gets its own quantized copy whose
+        rows early exit can still gather. kv_cache_dtype: see `kv_dtype_for`."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {kv_cache_dtype!r}")
@@ -129,7 +129,10 @@ class Transformer:
             return linear_from_parts(parts, bias, quantization, device, dtype, keep_rows)
 
         embedding = take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, H), source)
-        self.embedding = embedding.to(device=device, dtype=dtype)
+        # a GGUF's table stays the file's blocks on the CPU, its rows dequantized on lookup (the same
+        # values; Qwen2.5-1.5B's float32 copy was 890 MiB next to a 1 GB file, for ~50 us a step)
+        keep_blocks = isinstance(embedding, GGUFWeight) and device.type == "cpu"
+        self.embedding = embedding if keep_blocks else embedding.to(device=device, dtype=dtype)
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -157,7 +160,7 @@ class Transformer:
         if cfg.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
             self.head: Linear = linear_from_parts([embedding], None, quantization, device, dtype, keep_rows=True)
-            if isinstance(self.head, FloatLinear):
+            if isinstance(self.head, FloatLinear) and not keep_blocks:
                 self.head = FloatLinear(self.embedding)  # one tensor for both, no copy
         else:
             self.head = linear([("lm_head.weight", cfg.vocab_size, H)], keep_rows=True)
@@ -230,13 +233,14 @@ class Transformer:
     def weight_bytes(self) -> int:
         """Bytes of resident weights (embedding, norms, linears; not the RoPE tables or KV cache),
         each storage counted once (a float kv is a view of qkv, a float tied head is the embedding)."""
-        tensors = [self.embedding, self.final_norm, *self.head.tensors()]
+        blocks = isinstance(self.embedding, GGUFWeight)
+        tensors = ([] if blocks else [self.embedding]) + [self.final_norm, *self.head.tensors()]
         for w in self.layers:
             tensors += [w.attn_norm, w.mlp_norm]
             for lin in (w.qkv, w.kv, w.o, w.gate_up, w.down):
                 tensors += lin.tensors()
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        return sum(storages.values())
+        return sum(storages.values()) + (self.embedding.data.nbytes if blocks else 0)
 
     # ---- pieces of a forward pass -------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -261,6 +265,9 @@ class Transformer:
                           sin=self.sin_table[start:end].view(1, count, 1, D), kv_len=end, reads=reads, mask=mask)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embedding, GGUFWeight):
+            rows = self.embedding.rows(token_ids.reshape(-1))
+            return rows.to(self.dtype).view(*token_ids.shape, self.cfg.hidden_size)
         return F.embedding(token_ids, self.embedding)
 
     def layer(self, i: int, h: torch.Tensor, step: StepInputs, cache: KVCache) -> torch.Tensor:
