@@ -16,7 +16,8 @@ tokens: 0.63x of full depth's decode with drafts explored twice after losing alo
 - the gap between tries doubles while the same arm wins, and is at least what keeps a losing
   try's excess time under `explore_share` of the steps between tries;
 - extra rows only cost more as the batch grows: where drafts lost at a smaller batch, a larger
-  batch seen for the first time starts without drafts, with that batch's gap;
+  batch seen for the first time starts without drafts, with that batch's gap; where they won, it
+  warms them up for one measured step, not four (at 4 requests a draft model's step costs ~4 plain ones);
 - a try's measurement replaces the losing arm's (one step slowed by anything else kept its arm
   losing for the rest of a run while newer tries only nudged a decaying sum).
 """
@@ -73,8 +74,9 @@ class SpeculationGate:
         if key not in self.buckets:
             below = self.measured_below(key)
             lost = below is not None and below.spec.rate() < below.plain.rate()
+            warmup = 0 if lost else self.warmup[0] if below is None else 1
             self.buckets[key] = Bucket(Arm(), Arm(), below.gap if lost else self.explore, best=not lost,
-                                       spec_warmup=0 if lost else self.warmup[0])
+                                       spec_warmup=warmup)
         b = self.current = self.buckets[key]
         if b.spec.steps < b.spec_warmup or b.plain.steps < self.warmup[1]:
             self.on = b.spec.steps < b.spec_warmup
