@@ -15,9 +15,12 @@ tokens: 0.63x of full depth's decode with drafts explored twice after losing alo
   until one step is;
 - the gap between tries doubles while the same arm wins, and is at least what keeps a losing
   try's excess time under `explore_share` of the steps between tries;
-- extra rows only cost more as the batch grows: where drafts lost at a smaller batch, a larger
-  batch seen for the first time starts without drafts, with that batch's gap; where they won, it
-  warms them up for one measured step, not four (at 4 requests a draft model's step costs ~4 plain ones);
+- a larger batch seen for the first time starts without drafts once a smaller one has been
+  measured, and tries them after `explore` steps where they won there by `margin`, else after
+  `max_gap` steps at least (extra rows only cost more as the batch grows, so a narrow win turns
+  into a loss). Drafts first would cost more: a draft model's first step over 4 new requests
+  prefills their prompts too (430-460 ms against 28 ms for a plain step, Qwen pair, where drafts
+  won alone by 0-5%), and one plain step too many costs one step's gain;
 - a try's measurement replaces the losing arm's (one step slowed by anything else kept its arm
   losing for the rest of a run while newer tries only nudged a decaying sum).
 """
@@ -50,7 +53,7 @@ class Bucket:
     gap: int  # steps between two tries of the losing arm
     since: int = 0
     best: bool = True
-    spec_warmup: int = 0  # measured steps with drafts before comparing (0: drafts lost at a smaller batch)
+    spec_warmup: int = 0  # measured steps with drafts before comparing (0: a smaller batch was measured)
     trying: bool = False  # playing the losing arm until it has one measured step
     tried_tokens: int = 0  # what the current try of drafts emitted, and in how long (measured or not)
     tried_seconds: float = 0.0
@@ -60,9 +63,9 @@ class SpeculationGate:
     """warmup: measured steps each arm plays first at a new batch size (drafts first)."""
 
     def __init__(self, explore: int = 8, max_gap: int = 64, decay: float = 0.9, warmup: tuple[int, int] = (4, 2),
-                 explore_share: float = 0.05, longest_gap: int = 1024):
+                 explore_share: float = 0.05, longest_gap: int = 1024, margin: float = 1.25):
         self.explore, self.max_gap, self.decay, self.warmup = explore, max_gap, decay, warmup
-        self.explore_share, self.longest_gap = explore_share, longest_gap
+        self.explore_share, self.longest_gap, self.margin = explore_share, longest_gap, margin
         self.buckets: dict[int, Bucket] = {}
         self.current: Bucket | None = None
         self.on = True
@@ -73,10 +76,9 @@ class SpeculationGate:
         key = max(batch_size, 1).bit_length()
         if key not in self.buckets:
             below = self.measured_below(key)
-            lost = below is not None and below.spec.rate() < below.plain.rate()
-            warmup = 0 if lost else self.warmup[0] if below is None else 1
-            self.buckets[key] = Bucket(Arm(), Arm(), below.gap if lost else self.explore, best=not lost,
-                                       spec_warmup=warmup)
+            won = below is None or below.spec.rate() >= self.margin * below.plain.rate()
+            self.buckets[key] = Bucket(Arm(), Arm(), self.explore if won else max(below.gap, self.max_gap),
+                                       best=below is None, spec_warmup=self.warmup[0] if below is None else 0)
         b = self.current = self.buckets[key]
         if b.spec.steps < b.spec_warmup or b.plain.steps < self.warmup[1]:
             self.on = b.spec.steps < b.spec_warmup
