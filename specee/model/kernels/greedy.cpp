@@ -12,48 +12,39 @@
 
 namespace {
 
-// first index of the maximum of x[0..n) (NaN counts as the maximum, as torch's max); -1 if not finite
-int64_t row_avx512(const float* x, int64_t n) __attribute__((target("avx512f")));
-int64_t row_avx512(const float* x, int64_t n) {
-  int64_t i = 0;
-  if (n >= 16) {
-    __m512 best = _mm512_loadu_ps(x);
-    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i lane = at;
-    __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
-    for (i = 16; i + 16 <= n; i += 16) {
-      lane = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
-      const __m512 v = _mm512_loadu_ps(x + i);
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: each lane keeps its first
-      best = _mm512_mask_mov_ps(best, more, v);
-      at = _mm512_mask_mov_epi32(at, more, lane);
-    }
-    if (nan) return -1;
-    const float m = _mm512_reduce_max_ps(best);
-    const __mmask16 ties = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-    int64_t first = _mm512_mask_reduce_min_epi32(ties, at);
-    for (; i < n; ++i) {  // the tail
-      if (std::isnan(x[i])) return -1;
-      if (x[i] > x[first]) first = i;
-    }
-    return std::isfinite(x[first]) ? first : -1;
-  }
-  int64_t first = 0;
-  for (; i < n; ++i) {
+// The scan from index `from` on, `first` the best before it: the first maximum, or -1 where it is not finite
+// (a NaN anywhere makes torch's max NaN)
+int64_t finish(const float* x, int64_t from, int64_t n, int64_t first) {
+  for (int64_t i = from; i < n; ++i) {
     if (std::isnan(x[i])) return -1;
     if (x[i] > x[first]) first = i;
   }
   return std::isfinite(x[first]) ? first : -1;
 }
 
-int64_t row_portable(const float* x, int64_t n) {
-  int64_t first = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (std::isnan(x[i])) return -1;
-    if (x[i] > x[first]) first = i;
+int64_t row_portable(const float* x, int64_t n) { return finish(x, 0, n, 0); }
+
+// 16 lanes, each keeping its first maximum (strictly greater replaces); the lowest index among the lanes
+// holding the overall maximum is the row's first; the tail past the last full block goes to finish()
+int64_t row_avx512(const float* x, int64_t n) __attribute__((target("avx512f")));
+int64_t row_avx512(const float* x, int64_t n) {
+  if (n < 16) return row_portable(x, n);
+  __m512 best = _mm512_loadu_ps(x);
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i lane = at;
+  __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  int64_t i = 16;
+  for (; i + 16 <= n; i += 16) {
+    lane = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, more, v);
+    at = _mm512_mask_mov_epi32(at, more, lane);
   }
-  return std::isfinite(x[first]) ? first : -1;
+  if (nan) return -1;
+  const __mmask16 ties = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+  return finish(x, i, n, _mm512_mask_reduce_min_epi32(ties, at));
 }
 
 }  // namespace
