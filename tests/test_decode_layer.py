@@ -104,7 +104,10 @@ def test_a_long_prompts_mlp_runs_in_chunks_of_rows_as_in_one(tmp_path):
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_greedy_decoding_through_the_cpp_layer(mode):
     """The reference model, 24 tokens: the same tokens as the Python layer, or a first difference
-    only where the two logit vectors nearly tie (within twice their difference)."""
+    only where the two logit vectors nearly tie (within twice their difference). Logits agree to
+    0.05 + 2% but for a few in ten thousand: a changed summation order (ATen's attention against
+    row_attention.cpp) can move one activation block's int8 rounding by a step, which moves single
+    logits by up to ~0.2; the worst logit is bounded at 0.25."""
     model = load(real_model_dir("ref-target-24L"), mode)
     prompt = [t % model.cfg.vocab_size for t in (1, 415, 2936, 9060, 285, 1142, 28723, 13, 1014, 349)]
     got, got_logits = greedy_with_margins(model, prompt, 24)
@@ -117,7 +120,9 @@ def test_greedy_decoding_through_the_cpp_layer(mode):
             margin = float(want_logits[i][b] - want_logits[i][a])
             assert margin <= 2 * diff, f"step {i}: token {a} vs {b}, margin {margin:.4f} > 2 x {diff:.4f}"
             break
-        torch.testing.assert_close(got_logits[i], want_logits[i], rtol=0.02, atol=0.05)
+        diff, want_row = (got_logits[i] - want_logits[i]).abs(), want_logits[i].abs()
+        assert float((diff > 0.05 + 0.02 * want_row).float().mean()) <= 1e-3, f"step {i}: logits apart"
+        assert float(diff.max()) <= 0.25, f"step {i}: a logit {float(diff.max()):.3f} apart"
 
 
 def test_the_cpp_layer_serves_every_request_of_a_quantized_cpu_model(tmp_path, monkeypatch):
@@ -246,3 +251,28 @@ def test_single_row_attention_matches_atens_within_float_rounding(tmp_path, shap
     scale = outs["aten"].abs().max().item()
     atol = max(1e-4, 5e-6 * scale) if kv == "float32" else 2e-3 * scale
     torch.testing.assert_close(outs["cpp"], outs["aten"], rtol=1e-4 if kv == "float32" else 1e-3, atol=atol)
+
+
+def test_the_cpp_layers_silu_matches_torchs_at_every_level_with_tails_extremes_and_nan():
+    """activation.cpp's SiLU(gate) * up against torch's, elementwise to float32's precision, for
+    lengths with and without a tail past the 16-wide vectors, large and tiny gates and NaN."""
+    from specee.model import kernels
+
+    if kernels.cpu_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 17, 40, 1536):
+        gate, up = torch.randn(n, generator=g) * 6, torch.randn(n, generator=g)
+        gate[0] = -100.0 if n > 1 else 100.0  # e^-100 clamps to e^-87: |silu| <= 1e-35 where torch says 0
+        if n > 16:
+            gate[1:4] = torch.tensor([0.0, 88.0, -1e-30])
+            gate[n - 1] = float("nan")  # in the tail
+            gate[5] = float("nan")  # in a vector
+        want = torch.nn.functional.silu(gate) * up
+        for level in kernels.LEVELS[: kernels.cpu_kernels().int4_best_level() + 1]:
+            before = kernels.use_level(level)
+            try:
+                got = kernels.cpu_kernels().silu_mul(gate, up)
+            finally:
+                kernels.use_level(before)
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30, equal_nan=True, msg=f"n={n}, {level}")

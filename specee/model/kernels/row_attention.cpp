@@ -1,9 +1,9 @@
-// One query row's attention over its own prefix of the cache (a decode step's row, or one row of a
-// chain being verified), in AVX-512: scores, a softmax with a polynomial exp, the weighted sum of
+// One query row's attention over its own prefix of the cache (a decode step's row, one row of a
+// chain being verified, or one row of a prefill), in AVX-512: scores, a softmax with a polynomial exp, the weighted sum of
 // values, each in a fixed order. Why: ATen's scaled dot-product attention costs ~37 us a call for
 // one row (SmolLM2, 2026-11 AMD EPYC), 72% of a step with 8 requests, whose rows attend one at a
 // time; this takes a few. Every single-row attention of the C++ layer goes through here (decode
-// rows, chain rows, alone or batched), so a row's numbers never depend on what shares its step.
+// rows, chain rows, prefill rows, alone or batched), so a row's numbers never depend on what shares its step.
 // The cache may hold float16 (the default where this runs): each key and value widens on load.
 // The query heads that share a kv head go together (tile), so each key and value is read and widened
 // once for all of them; scores come 16 keys at a time through a transpose-style sum (fold).
@@ -15,6 +15,7 @@
 #include <cmath>
 #include <vector>
 
+#include "exp_avx512.h"
 #include "int4_matmul.h"
 
 namespace {
@@ -22,23 +23,6 @@ namespace {
 #define SPECEE_AVX512 __attribute__((target("avx512f")))
 // inlined all the way down, so q and the partial sums stay in registers across the recursion
 #define SPECEE_INLINE __attribute__((target("avx512f"), always_inline)) inline
-
-// 2^x * e^0 for x <= 0 as e^x: x log2(e) = n + f, |f| <= 1/2, 2^f by its Taylor polynomial to f^6
-// (relative error ~1e-7), then scaled by 2^n.
-SPECEE_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // 16 keys' or values' floats from the cache, stored as float32 or float16
 SPECEE_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
