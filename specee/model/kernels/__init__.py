@@ -1,8 +1,12 @@
 """Hand-written CPU code where PyTorch from Python loses, built once for this machine.
 
-- `decode_layer.cpp`: a decoder layer for the rows of one sequence, its elementwise work in plain
-  C++ loops and its products and attention through ATen (or the int4 product below): at batch 1
-  the ~40 ATen calls a layer makes from Python cost more than its products on a small model.
+- `decode_layer.cpp`: a decoder layer over a step's ragged rows (every request's segment), its
+  elementwise work in plain C++ loops, its products through the kernels below: at batch 1 the ~40
+  ATen calls a layer makes from Python cost more than its products on a small model.
+- `row_attention.cpp`: one row's attention over its own prefix (decode rows, chain rows, a
+  prefill's rows) in AVX-512, so a row's numbers never depend on what shares its step; trees and
+  masked segments go to ATen. `activation.cpp`: the MLP's SiLU (the polynomial exp of
+  `exp_avx512.h`). `greedy.cpp`: each row's first maximum, the greedy choice in one call.
 - `int4_matmul.cpp`: int4 weights times bf16 activations, the arithmetic of PyTorch's int4 kernel
   (which spends more time widening weights than reading them), with AVX-512 BF16 dot products,
   AVX2 FMA or plain loops: the best the CPU runs, or lower with SPECEE_CPU_LEVEL=avx2|portable

@@ -1,9 +1,9 @@
-// One decoder layer for the rows of one sequence on the CPU (batch 1: a token, a verification
-// pass's rows, a prefill): the layer of model/llama.py, with its elementwise work (RMS norms,
-// RoPE, the K/V write, SiLU gate and the residual adds) in plain loops and its products and
-// attention through the same ATen kernels. Why: at batch 1 on a small model the ~40 ATen calls a
-// layer makes from Python cost more than its products (SmolLM2-135M: 4 of 11 ms per token);
-// here a layer makes about eight.
+// One decoder layer for a step's rows on the CPU (`ragged`: every request's segment, a token, a
+// verification pass's rows or a prefill): the layer of model/llama.py, with its elementwise work
+// (RMS norms, RoPE, the K/V write, SiLU gate and the residual adds) in plain loops, its products in
+// the int4 / K-quant kernels (or ATen for a float or int8 linear), and attention in row_attention.cpp
+// (ATen's for trees and masks). Why: at batch 1 on a small model the ~40 ATen calls a layer makes
+// from Python cost more than its products (SmolLM2-135M: 4 of 11 ms per token); here a few.
 #include <torch/extension.h>
 
 #include <algorithm>
