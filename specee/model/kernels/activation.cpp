@@ -9,7 +9,10 @@
 
 namespace {
 
-float silu_mul_one(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+// elements from .. n in scalar arithmetic (the levels without AVX-512, the AVX-512 loop's tail)
+void silu_mul_scalar(const float* gate, const float* up, float* out, int64_t from, int64_t n) {
+  for (int64_t i = from; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
 
 // The exponential is taken of -|g| only (no overflow): g / (1 + e^-g) where g >= 0, and the same
 // value written g e^g / (1 + e^g) below. NaN stays NaN (the product with g).
@@ -22,15 +25,14 @@ __attribute__((target("avx512f"))) void silu_mul_avx512(const float* gate, const
     const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ), g, e);
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
   }
-  for (; i < n; ++i) out[i] = silu_mul_one(gate[i], up[i]);
+  silu_mul_scalar(gate, up, out, i, n);
 }
 
 }  // namespace
 
 void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
-  if (int4_level() == 2) {  // 2: the AVX-512 level (int4_matmul.cpp)
+  if (avx512_level())
     silu_mul_avx512(gate, up, out, n);
-  } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = silu_mul_one(gate[i], up[i]);
-  }
+  else
+    silu_mul_scalar(gate, up, out, 0, n);
 }

@@ -254,8 +254,8 @@ class DecodeLayer {
   // decoding it alone and speculative greedy output equals full-depth greedy bit for bit. One
   // masked call over all rows rounds differently, which parts the texts where the top two tokens
   // nearly tie (SmolLM2 4-bit, n-gram drafts, 8 prompts x 96 tokens: 6 of 8 identical).
-  // A float16 cache's prefix is read as float32 (ATen's attention takes one dtype): a prefill's or a
-  // tree's call, or every row where row_attention.cpp does not run.
+  // A float16 cache's prefix is read as float32 (ATen's attention takes one dtype): a tree's or a
+  // masked segment's call, or every row where row_attention.cpp does not run.
   at::Tensor attention(const at::Tensor& q, const at::Tensor& k_stored, const at::Tensor& v_stored, const int64_t* slot,
                        int64_t kv_len, const at::Tensor& mask, bool causal, bool chain) const {
     const int64_t S = q.size(2);

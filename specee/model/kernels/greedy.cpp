@@ -57,7 +57,7 @@ at::Tensor greedy_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  const bool wide = int4_level() == 2;  // the AVX-512 level (SPECEE_CPU_LEVEL may force a lower one)
+  const bool wide = avx512_level();
   for (int64_t r = 0; r < rows; ++r) o[r] = wide ? row_avx512(x + r * n, n) : row_portable(x + r * n, n);
   return out;
 }

@@ -5,6 +5,9 @@
 
 int64_t int4_best_level();  // 0 portable, 1 avx2 (+FMA), 2 avx512 (F, BW, BF16, VNNI): what this CPU runs
 int64_t int4_level();       // the level int4_mm runs (the best unless set lower)
+// whether the kernels run their AVX-512 level (SPECEE_CPU_LEVEL may force a lower one): the other
+// AVX-512 code (row attention, SiLU, greedy, half rounding) follows it, so one setting tests every fallback
+inline bool avx512_level() { return int4_level() == 2; }
 void int4_set_level(int64_t level);
 int64_t int4_activations();  // 0: bf16 (the default), 1: int8
 void int4_set_activations(int64_t mode);

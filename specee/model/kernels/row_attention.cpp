@@ -195,7 +195,7 @@ SPECEE_AVX512 void to_half_avx512(const float* x, c10::Half* out, int64_t n) {
 }  // namespace
 
 bool row_attention_available(int64_t head_dim) {
-  return head_dim % 16 == 0 && head_dim <= 256 && int4_level() == 2;  // 2: the AVX-512 level (int4_matmul.cpp)
+  return head_dim % 16 == 0 && head_dim <= 256 && avx512_level();
 }
 
 void row_attention(const float* q, int64_t q_stride, const float* K, int64_t k_stride, const float* V,
@@ -209,7 +209,7 @@ void row_attention(const float* q, int64_t q_stride, const c10::Half* K, int64_t
 }
 
 void to_half(const float* x, c10::Half* out, int64_t n) {
-  if (int4_level() == 2) {
+  if (avx512_level()) {
     to_half_avx512(x, out, n);
   } else {
     for (int64_t i = 0; i < n; ++i) out[i] = c10::Half(x[i]);  // round to nearest even, as torch's .half()
