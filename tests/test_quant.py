@@ -164,6 +164,38 @@ def test_the_int4_levels_differ_only_in_float32_summation_order():
         assert ((outs[name] - outs[levels[0]]).abs() <= bound).all(), name
 
 
+def cpu_flags() -> set[str]:
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    return set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+
+
+def test_the_best_level_follows_the_cpu_flags_and_bf16_only_gates_the_bf16_kernel():
+    """AVX-512 F, BW and VNNI give the avx512 level (the int8 products, attention, SiLU); BF16 is asked
+    only by the bf16-activation kernel, which otherwise runs its avx2 path. (An Intel Xeon whose
+    hypervisor hides AVX-512 BF16 ran everything at avx2 before: 0.64x of its avx512 decode speed.)"""
+    kernel = int4_kernel()
+    if kernel is None:
+        pytest.skip("the CPU kernels are not built here")
+    flags = cpu_flags()
+    avx512 = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    expected = "avx512" if avx512 else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    assert kernels.LEVELS[kernel.int4_best_level()] == expected
+    before = kernels.use_level(expected)
+    try:
+        bf16_level = kernels.LEVELS[kernel.int4_bf16_level()]
+        assert bf16_level == ("avx2" if avx512 and "avx512_bf16" not in flags else expected)
+        before_activations = kernels.use_activations("bf16")
+        try:
+            assert kernels.describe().startswith(f"{bf16_level} kernels, bf16 activations")
+        finally:
+            kernels.use_activations(before_activations)
+    finally:
+        kernels.use_level(before)
+
+
 def level_in_subprocess(value: str):
     import os
     import subprocess

@@ -8,8 +8,8 @@
   masked segments go to ATen. `activation.cpp`: the MLP's SiLU (the polynomial exp of
   `exp_avx512.h`). `greedy.cpp`: each row's first maximum, the greedy choice in one call.
 - `int4_matmul.cpp`: int4 weights times bf16 activations, the arithmetic of PyTorch's int4 kernel
-  (which spends more time widening weights than reading them), with AVX-512 BF16 dot products,
-  AVX2 FMA or plain loops: the best the CPU runs, or lower with SPECEE_CPU_LEVEL=avx2|portable
+  (which spends more time widening weights than reading them), with AVX-512 BF16 dot products
+  (where the CPU has BF16; otherwise the AVX2 path), AVX2 FMA or plain loops: the best the CPU runs, or lower with SPECEE_CPU_LEVEL=avx2|portable
   (how the AVX2 path is tested on an AVX-512 machine). The portable path says so on stderr.
 - `int4_q8.cpp`: the same products with the activations quantized per block of 32 to int8 and
   integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, AVX2 or plain loops): the default
@@ -58,7 +58,9 @@ def describe() -> str:
     kernels = int4_kernel()
     if kernels is None:
         return "no C++ kernels"
-    return (f"{LEVELS[kernels.int4_level()]} kernels, {ACTIVATIONS[kernels.int4_activations()]} activations, "
+    activations = ACTIVATIONS[kernels.int4_activations()]
+    level = kernels.int4_bf16_level() if activations == "bf16" else kernels.int4_level()
+    return (f"{LEVELS[level]} kernels, {activations} activations, "
             f"build {build.build_name(PREFIX, sources(), CFLAGS).rsplit('_', 1)[1]}")
 
 
@@ -122,7 +124,7 @@ def _level_from_env() -> None:
     if wanted:
         use_level(wanted)
     if LEVELS[_build().int4_level()] == "portable":
-        why = f"{LEVEL_ENV}=portable" if wanted else "this CPU has neither AVX-512 (BF16, VNNI) nor AVX2 with FMA"
+        why = f"{LEVEL_ENV}=portable" if wanted else "this CPU has neither AVX-512 (F, BW, VNNI) nor AVX2 with FMA"
         print(f"specee: note: int4 products run the portable C++ path ({why}): several times slower than "
               "the AVX2 and AVX-512 ones", file=sys.stderr)
 

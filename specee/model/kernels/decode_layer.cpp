@@ -291,6 +291,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("ragged", &DecodeLayer::forward_ragged, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_best_level", &int4_best_level);
   m.def("int4_level", &int4_level);
+  m.def("int4_bf16_level", &int4_bf16_level);
   m.def("int4_set_level", &int4_set_level);
   m.def("int4_activations", &int4_activations);
   m.def("int4_set_activations", &int4_set_activations);

@@ -34,7 +34,7 @@ std::atomic<int64_t> g_activations{0};  // 0 bf16, 1 int8
 // R rows (1 to 4) x one block of 64 outputs. xp: the rows' bf16 activations as pairs [R][K/2];
 // xs: their sums per group [R][G]; y: row r's outputs at y + r N.
 template <int R>
-SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xs, int64_t K,
+SPECEE_INT4_AVX512_BF16 void block_avx512(const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xs, int64_t K,
                                      float* y, int64_t N) {
   constexpr int T = 4;
   const int64_t G = K / kGroup;
@@ -43,6 +43,7 @@ SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const
     for (int t = 0; t < T; ++t) out[r][t] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_group(w, sz, g);
     __m512 acc[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -118,6 +119,7 @@ SPECEE_INT4_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const flo
                             float* y, int64_t N) {
   const int64_t G = K / kGroup;
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_group(w, sz, g);
     for (int j0 = 0; j0 < 8; j0 += J) {
       __m256 acc[J][R];
       for (int j = 0; j < J; ++j)
@@ -181,8 +183,7 @@ constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr, rows_at<1>, rows
 
 int64_t best_level() {
 #ifdef SPECEE_X86
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16") &&
-      __builtin_cpu_supports("avx512vnni"))
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
     return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
@@ -192,6 +193,16 @@ int64_t best_level() {
 }  // namespace
 
 int64_t int4_best_level() { return best_level(); }
+
+int64_t int4_bf16_level() {
+#ifdef SPECEE_X86
+  static const bool bf16 = best_level() == kAvx512 && __builtin_cpu_supports("avx512bf16");
+#else
+  constexpr bool bf16 = false;
+#endif
+  const int64_t level = int4_level();
+  return level == kAvx512 && !bf16 ? kAvx2 : level;
+}
 
 int64_t int4_level() {
   if (g_level.load() < 0) g_level.store(best_level());
@@ -217,8 +228,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(xc.dim() == 2 && (xc.scalar_type() == at::kFloat || xc.scalar_type() == at::kBFloat16) &&
               packed.dim() == 4 && packed.size(1) == K / 4 && scales.size(0) == blocks && scales.size(1) == G,
               "int4_mm: float32 or bf16 activations and a weight packed for their shape");
-  const int64_t level = int4_level();
-  if (g_activations.load() == 1) return int4_mm_q8(xc, packed, scales, level);
+  if (g_activations.load() == 1) return int4_mm_q8(xc, packed, scales, int4_level());
+  const int64_t level = int4_bf16_level();
   // the activations rounded to bf16 (as `x.to(torch.bfloat16)` rounds) and their sums per group, in
   // plain loops: in a decode step this runs for every product, where ATen calls cost more than the work
   std::vector<c10::BFloat16> xb(M * K);
