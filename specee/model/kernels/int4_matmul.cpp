@@ -1,7 +1,8 @@
 // int4 weights (groups of 32, W = (q - 8) s + z, s and z bf16) times activations rounded to bf16,
 // float32 sums: the arithmetic of PyTorch's int4 CPU kernel, which on this class of CPU spends more
 // time widening each weight to float32 than reading it. Three paths, chosen at run time (CPUID, or
-// lower with int4_set_level: SPECEE_CPU_LEVEL in Python), each row's outputs computed by the same
+// lower with int4_set_level: SPECEE_CPU_LEVEL in Python; avx512 also needs BF16, else avx2 runs:
+// int4_bf16_level), each row's outputs computed by the same
 // operations whatever rows share the call (speculative verification stays equal to one-token steps):
 //   avx512  a nibble becomes a bf16 in two integer ops: 0x4300 | q is the bf16 of 128 + q, exact, so
 //           one `vdpbf16ps` multiplies 16 outputs x 2 inputs and per group
