@@ -197,6 +197,21 @@ def test_tune_measures_the_draft_model_and_generate_uses_it(capsys):
 
 
 @needs(STORIES)
+@pytest.mark.parametrize("extra_load, busy", [(0.1, False), (0.8, True)])
+def test_the_busy_note_counts_only_load_beyond_the_timings_own_threads(capsys, monkeypatch, extra_load, busy):
+    """The timing's own threads keep the load average at about the core count (2.03 on 2 idle cores with
+    --threads 2 said "busy" before); half a core more is another process's."""
+    import os
+
+    from specee.tune import measure
+
+    monkeypatch.setattr(measure, "load_average", lambda: (os.cpu_count() or 1) + extra_load)
+    code, out, err = run_cli(capsys, "tune", "--model", str(STORIES), *TINY, "--lengths", "1")
+    assert code == 0, err
+    assert ("the machine was busy while timing" in err) == busy
+
+
+@needs(STORIES)
 def test_tune_measures_early_exit_with_a_cached_bank_and_never_chooses_lossy(capsys):
     from specee import LLM
     from specee.exit.bank import PredictorBank
