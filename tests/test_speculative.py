@@ -645,6 +645,32 @@ def test_a_try_replaces_a_stale_slow_measurement():
     assert choices[14:21] == [False] * 7 and choices[14:].count(True) <= 4, choices  # then only tries of drafts
 
 
+def test_a_warmup_cut_short_does_not_resume_with_drafts_after_plain_steps():
+    """A 2-request warm-up call ends after 2 drafting steps; batch 1 is then measured (drafts win by
+    less than the margin) and a batch of 4 plays plain steps. When that batch shrinks to 2, the
+    unfinished warm-up there must not switch drafts on at once (a draft model's catch-up of every
+    request): it starts plain, as a new batch size does, and tries drafts only after max_gap."""
+    from specee.speculative.gate import SpeculationGate
+
+    gate = SpeculationGate(explore=8, max_gap=32, warmup=(4, 2))
+    for _ in range(2):
+        assert gate.begin_step(2)
+        gate.end_step(300, 1.0)
+    for _ in range(40):
+        on = gate.begin_step(1)
+        gate.end_step(115 if on else 100, 1.0)
+    four = []
+    for _ in range(20):
+        four.append(gate.begin_step(4))
+        gate.end_step(150 if four[-1] else 380, 1.0)
+    assert not any(four)
+    two = []
+    for _ in range(12):
+        two.append(gate.begin_step(2))
+        gate.end_step(200 if two[-1] else 250, 1.0)
+    assert not any(two), two
+
+
 @pytest.mark.parametrize("alone", [90.0, 115.0, 200.0])
 def test_a_larger_batch_starts_without_drafts_and_tries_them_soon_only_where_they_paid_alone(alone):
     """A first batch of 4 after batch 1 was measured plays plain steps first (a draft model's first

@@ -21,6 +21,9 @@ tokens: 0.63x of full depth's decode with drafts explored twice after losing alo
   into a loss). Drafts first would cost more: a draft model's first step over 4 new requests
   prefills their prompts too (430-460 ms against 28 ms for a plain step, Qwen pair, where drafts
   won alone by 0-5%), and one plain step too many costs one step's gain;
+- a batch size whose warm-up with drafts was cut short (a 2-request warm-up call of 8 tokens) and
+  comes back after plain steps starts over as a new one: resuming its drafts first cost the Qwen
+  pair a catch-up of 3 requests (260 ms of a 6.2 s run) as a 4-request batch shrank;
 - a try's measurement replaces the losing arm's (one step slowed by anything else kept its arm
   losing for the rest of a run while newer tries only nudged a decaying sum).
 """
@@ -74,7 +77,7 @@ class SpeculationGate:
     def begin_step(self, batch_size: int) -> bool:
         """Whether this step's requests draft."""
         key = max(batch_size, 1).bit_length()
-        if key not in self.buckets:
+        if key not in self.buckets or self.warmup_cut_short(key):
             below = self.measured_below(key)
             won = below is None or below.spec.rate() >= self.margin * below.plain.rate()
             self.buckets[key] = Bucket(Arm(), Arm(), self.explore if won else max(below.gap, self.max_gap),
@@ -93,6 +96,12 @@ class SpeculationGate:
         b.trying = b.since >= b.gap
         self.on = best != b.trying
         return self.on
+
+    def warmup_cut_short(self, key: int) -> bool:
+        """Whether this batch size's drafts-first warm-up would resume after plain steps (a catch-up)
+        although a smaller batch has been measured since."""
+        b = self.buckets[key]
+        return b.spec.steps < b.spec_warmup and not self.drafted_last and self.measured_below(key) is not None
 
     def measured_below(self, key: int) -> Bucket | None:
         """The largest smaller batch where both arms have been measured."""
