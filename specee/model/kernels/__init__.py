@@ -9,8 +9,9 @@
   `exp_avx512.h`). `greedy.cpp`: each row's first maximum, the greedy choice in one call.
 - `int4_matmul.cpp`: int4 weights times bf16 activations, the arithmetic of PyTorch's int4 kernel
   (which spends more time widening weights than reading them), with AVX-512 BF16 dot products
-  (where the CPU has BF16; otherwise the AVX2 path), AVX2 FMA or plain loops: the best the CPU runs, or lower with SPECEE_CPU_LEVEL=avx2|portable
-  (how the AVX2 path is tested on an AVX-512 machine). The portable path says so on stderr.
+  (where the CPU has BF16; otherwise the AVX2 path), AVX2 FMA or plain loops: the best the CPU
+  runs, or lower with SPECEE_CPU_LEVEL=avx2|portable (how the AVX2 path is tested on an AVX-512
+  machine). The portable path says so on stderr.
 - `int4_q8.cpp`: the same products with the activations quantized per block of 32 to int8 and
   integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, AVX2 or plain loops): the default
   (DEFAULT_ACTIVATIONS: as close to float32 as llama.cpp or closer, and faster; BENCHMARKS.md);

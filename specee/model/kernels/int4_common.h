@@ -38,7 +38,7 @@ inline float bf16_to_float(uint16_t b) {
 // A group's weight bytes (kGroup / 4 x 128) and scales (2 x 64 bf16), kPrefetchGroups groups past
 // group g of a block, into the cache: a thread's blocks are contiguous, so this runs into its next
 // block. Without it the int4 products streamed at 10-17 GB/s on an Intel Xeon whose two cores read
-// 23 (SmolLM2's four products per layer 157 -> 105 us; 8 groups ahead was slower on small products).
+// 23 (SmolLM2's four products per layer 157 -> 110 us; 8 groups ahead was slower on small products).
 constexpr int64_t kPrefetchGroups = 4;
 inline void prefetch_group(const uint8_t* w, const uint16_t* sz, int64_t g) {
   const uint8_t* wa = w + (g + kPrefetchGroups) * (kGroup / 4) * 128;

@@ -35,8 +35,8 @@ std::atomic<int64_t> g_activations{0};  // 0 bf16, 1 int8
 // R rows (1 to 4) x one block of 64 outputs. xp: the rows' bf16 activations as pairs [R][K/2];
 // xs: their sums per group [R][G]; y: row r's outputs at y + r N.
 template <int R>
-SPECEE_INT4_AVX512_BF16 void block_avx512(const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xs, int64_t K,
-                                     float* y, int64_t N) {
+SPECEE_INT4_AVX512_BF16 void block_avx512(const uint8_t* w, const uint16_t* sz, const uint32_t* xp, const float* xs,
+                                          int64_t K, float* y, int64_t N) {
   constexpr int T = 4;
   const int64_t G = K / kGroup;
   __m512 out[R][T];
