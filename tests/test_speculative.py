@@ -645,24 +645,6 @@ def test_a_try_replaces_a_stale_slow_measurement():
     assert choices[14:21] == [False] * 7 and choices[14:].count(True) <= 4, choices  # then only tries of drafts
 
 
-@pytest.mark.parametrize("steps_left", [20, 200])
-def test_a_try_of_drafts_waits_for_a_batch_with_steps_left_to_repay_it(steps_left):
-    """Drafts paid alone by 2x, so a first batch of 4 tries them after 8 plain steps, but only where
-    its requests have max_gap (32) steps left: a draft model's catch-up at the switch costs what the
-    last few steps could not win back."""
-    from specee.speculative.gate import SpeculationGate
-
-    gate = SpeculationGate(explore=8, max_gap=32, warmup=(4, 2))
-    for _ in range(40):
-        on = gate.begin_step(1, 500)
-        gate.end_step(200 if on else 100, 1.0)
-    choices = []
-    for i in range(16):
-        choices.append(gate.begin_step(4, steps_left - i))
-        gate.end_step(150 if choices[-1] else 380, 1.0)
-    assert choices.index(True) == 9 if steps_left > 32 else not any(choices), choices
-
-
 def test_a_warmup_cut_short_does_not_resume_with_drafts_after_plain_steps():
     """A 2-request warm-up call ends after 2 drafting steps; batch 1 is then measured (drafts win by
     less than the margin) and a batch of 4 plays plain steps. When that batch shrinks to 2, the

@@ -140,7 +140,6 @@ class Drafter(ABC):
 
     # ---- speculative decoding ----------------------------------------------------------------
     feature_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (EAGLE)
-    catches_up = False  # True: its first draft after plain steps runs a model over every token it skipped
 
     def begin(self, history: list[int], features: torch.Tensor | None = None) -> None:
         """Start a request whose history (prompt + the prefill's token) is `history`; features:

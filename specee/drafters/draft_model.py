@@ -34,7 +34,6 @@ from .base import Draft, DraftChain, Drafter, check_same_tokenizer
 
 class DraftModelDrafter(Drafter):
     scores_vocabulary = True
-    catches_up = True
 
     def __init__(self, model_dir: str | Path, target_tokenizer: Tokenizer, k: int = 4,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, max_len: int = 512,

@@ -24,10 +24,6 @@ tokens: 0.63x of full depth's decode with drafts explored twice after losing alo
 - a batch size whose warm-up with drafts was cut short (a 2-request warm-up call of 8 tokens) and
   comes back after plain steps starts over as a new one: resuming its drafts first cost the Qwen
   pair a catch-up of 3 requests (260 ms of a 6.2 s run) as a 4-request batch shrank;
-- with a drafter that catches up (a draft model), a try of drafts waits for a batch with at least
-  `max_gap` steps left: its switch costs the catch-up on every request (Qwen pair, 4 requests of
-  64 tokens: 0.7-0.8 s, 13-15 plain steps, for a try 9 steps in), which the few steps left could
-  not repay even where drafts won;
 - a try's measurement replaces the losing arm's (one step slowed by anything else kept its arm
   losing for the rest of a run while newer tries only nudged a decaying sum).
 """
@@ -78,9 +74,8 @@ class SpeculationGate:
         self.on = True
         self.drafted_last = True  # whether the step before drafted (a draft model is then caught up)
 
-    def begin_step(self, batch_size: int, steps_left: int | None = None) -> bool:
-        """Whether this step's requests draft; steps_left: the most tokens any of them may still emit,
-        where switching drafts on costs a catch-up (else None)."""
+    def begin_step(self, batch_size: int) -> bool:
+        """Whether this step's requests draft."""
         key = max(batch_size, 1).bit_length()
         if key not in self.buckets or self.warmup_cut_short(key):
             below = self.measured_below(key)
@@ -98,7 +93,7 @@ class SpeculationGate:
         if best != b.best:
             b.best, b.gap = best, self.explore
         b.since += 1
-        b.trying = b.since >= b.gap and (best or steps_left is None or steps_left >= self.max_gap)
+        b.trying = b.since >= b.gap
         self.on = best != b.trying
         return self.on
 

@@ -109,8 +109,7 @@ class SpeculativeDecoding(FullDepth):
         """The gate's choice for this batch size; then every decoding request's tree, or chain, in one
         call of the drafter (a drafter that runs a model batches its forwards across the requests)."""
         decoding = [r for r in batch if r.prefilled]
-        steps_left = max(map(self.room, decoding), default=0) if self.drafter.catches_up else None
-        self.drafting = self.gate is None or self.gate.begin_step(len(decoding), steps_left)
+        self.drafting = self.gate is None or self.gate.begin_step(len(decoding))
         ready = [r for r in decoding if self.room(r) > 0]
         if not self.drafting or len(decoding) < 2 or not ready:
             return
