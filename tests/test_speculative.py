@@ -671,6 +671,40 @@ def test_a_warmup_cut_short_does_not_resume_with_drafts_after_plain_steps():
     assert not any(two), two
 
 
+@pytest.mark.parametrize("per_token", [0.0, 0.1])
+def test_a_try_of_drafts_waits_until_its_catch_up_fits_the_exploration_share(per_token):
+    """Drafts paid alone by 50%, so a first batch of 4 tries them 8 steps in. A draft model that skipped
+    those steps first runs every pending token (4 prompts of 100, then 4 a step) at 0.1 s each: a 40 s
+    catch-up against 1 s plain steps, which the gate learnt from batch 1's first drafting steps
+    (a prompt, then one token each). It does not try drafts while that catch-up exceeds 5% of the
+    plain steps since the last try (it never fits: it grows faster than they do); a drafter that
+    pends nothing tries after 8 steps as before."""
+    from specee.speculative.gate import SpeculationGate
+
+    gate = SpeculationGate(explore=8, max_gap=32, warmup=(4, 2))
+    pending = 100
+    for _ in range(40):  # batch 1: the first drafting step runs the prompt
+        on = gate.begin_step(1, pending)
+        if on:
+            gate.drafted(pending, 0.01 + per_token * pending)
+        gate.end_step(150 if on else 100, 1.0)
+        pending = 1
+    pending, choices = 400, []
+    for _ in range(60):
+        on = gate.begin_step(4, pending)
+        choices.append(on)
+        if on:
+            gate.drafted(pending, 0.01 + per_token * pending)
+            pending = 4
+        else:
+            pending += 4
+        gate.end_step(300 if on else 380, 1.0)
+    if per_token:
+        assert not any(choices), choices
+    else:
+        assert choices.index(True) == 9, choices  # 2 plain warm-up steps, then 8 steps
+
+
 @pytest.mark.parametrize("alone", [90.0, 115.0, 200.0])
 def test_a_larger_batch_starts_without_drafts_and_tries_them_soon_only_where_they_paid_alone(alone):
     """A first batch of 4 after batch 1 was measured plays plain steps first (a draft model's first

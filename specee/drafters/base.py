@@ -146,6 +146,11 @@ class Drafter(ABC):
         the target's features at positions 0..len(history)-2 ([1, len - 1, W]), when it reads them."""
         self.reset(history)
 
+    def pending(self) -> int:
+        """Tokens of the history the drafter runs before its next draft (a draft model's catch-up on
+        what it skipped; the speculation gate weighs it before switching drafts on). Default: none."""
+        return 0
+
     def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
         """Up to n tokens for the positions after the history, without consuming them; width: the
         target's vocabulary rows (the width of `Draft.probs`)."""

@@ -148,9 +148,12 @@ class DraftModelDrafter(Drafter):
     def extend(self, tokens: list[int]) -> None:
         self._history.extend(int(t) for t in tokens)
 
+    def pending(self) -> int:
+        return len(self._history) - (self._offset + self._n)
+
     def _catch_up(self) -> torch.Tensor:
         """Run the history tokens not yet in the cache; the last one's final-normed hidden state."""
-        pending = len(self._history) - (self._offset + self._n)
+        pending = self.pending()
         if pending > 0:
             self._run(self._history[len(self._history) - pending:])
         elif self._last is None:
@@ -174,7 +177,7 @@ class DraftModelDrafter(Drafter):
         normed: list[torch.Tensor | None] = [None] * len(drafters)
         segments, who = [], []
         for i, d in enumerate(drafters):
-            pending = len(d._history) - (d._offset + d._n)
+            pending = d.pending()
             if 0 < pending and d._n + pending <= d.context:
                 d._ensure_capacity(d._n + pending)
                 ids = torch.tensor(d._history[-pending:], device=self.device)

@@ -25,7 +25,13 @@ tokens: 0.63x of full depth's decode with drafts explored twice after losing alo
   comes back after plain steps starts over as a new one: resuming its drafts first cost the Qwen
   pair a catch-up of 3 requests (260 ms of a 6.2 s run) as a 4-request batch shrank;
 - a try's measurement replaces the losing arm's (one step slowed by anything else kept its arm
-  losing for the rest of a run while newer tries only nudged a decaying sum).
+  losing for the rest of a run while newer tries only nudged a decaying sum);
+- a try of drafts that would first catch a draft model up waits until its expected catch-up (the
+  tokens pending times the seconds per token the drafter's steps have shown, `CatchUpCost`) is within
+  `explore_share` of the plain steps since the last try: the first try at 4 new Qwen requests caught
+  the 0.5B draft model up on their prompts in 719-805 ms, 13-15 plain steps, and the 64-token
+  requests never repaid it (0.83x of full depth). A drafter that skips nothing (n-gram, EAGLE) pends
+  no tokens and tries as before.
 """
 from __future__ import annotations
 
@@ -47,6 +53,30 @@ class Arm:
         self.seconds = self.seconds * decay + seconds
         self.weight = self.weight * decay + 1
         self.steps += 1
+
+
+@dataclass
+class CatchUpCost:
+    """Seconds a drafting step spends per pending token (a token of the history a draft model has not
+    run: a new request's prompt, or everything emitted while the batch did not draft): the slope of
+    a least-squares line through every drafting step's (pending tokens, drafting seconds). Unknown (0)
+    until the steps differ in pending tokens."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, pending: int, seconds: float) -> None:
+        self.n, self.sx, self.sy = self.n + 1, self.sx + pending, self.sy + seconds
+        self.sxx, self.sxy = self.sxx + pending * pending, self.sxy + pending * seconds
+
+    def per_token(self) -> float:
+        spread = self.n * self.sxx - self.sx * self.sx
+        if spread <= 1e-9 * self.n * self.sxx:
+            return 0.0
+        return max(0.0, (self.n * self.sxy - self.sx * self.sy) / spread)
 
 
 @dataclass
@@ -73,9 +103,11 @@ class SpeculationGate:
         self.current: Bucket | None = None
         self.on = True
         self.drafted_last = True  # whether the step before drafted (a draft model is then caught up)
+        self.catch_up = CatchUpCost()
 
-    def begin_step(self, batch_size: int) -> bool:
-        """Whether this step's requests draft."""
+    def begin_step(self, batch_size: int, pending: int = 0) -> bool:
+        """Whether this step's requests draft; pending: the tokens their drafters would run before
+        drafting (`Drafter.pending`)."""
         key = max(batch_size, 1).bit_length()
         if key not in self.buckets or self.warmup_cut_short(key):
             below = self.measured_below(key)
@@ -93,9 +125,21 @@ class SpeculationGate:
         if best != b.best:
             b.best, b.gap = best, self.explore
         b.since += 1
-        b.trying = b.since >= b.gap
+        b.trying = b.since >= b.gap and (best or self.switch_fits(b, batch_size, pending))
         self.on = best != b.trying
         return self.on
+
+    def switch_fits(self, b: Bucket, batch_size: int, pending: int) -> bool:
+        """Whether switching drafts on now costs a catch-up within `explore_share` of the plain steps
+        since the last try (a drafting step runs about one pending token per request anyway)."""
+        if self.drafted_last:
+            return True
+        catch_up = self.catch_up.per_token() * max(pending - batch_size, 0)
+        return catch_up <= self.explore_share * b.since * b.plain.seconds / b.plain.weight
+
+    def drafted(self, pending: int, seconds: float) -> None:
+        """A step's drafting ran `pending` tokens first and took `seconds` in all."""
+        self.catch_up.add(pending, seconds)
 
     def warmup_cut_short(self, key: int) -> bool:
         """Whether this batch size's drafts-first warm-up would resume after plain steps (a catch-up)

@@ -104,12 +104,15 @@ class SpeculativeDecoding(FullDepth):
         self.width = model.cfg.vocab_size
         self.gate = SpeculationGate() if gated else None
         self.drafting = True  # this step's requests draft (the gate's choice)
+        self.pending, self.draft_seconds = 0, 0.0  # this step's tokens the drafters ran first, and drafting's time
 
     def begin_step(self, batch: list[Running]) -> None:
         """The gate's choice for this batch size; then every decoding request's tree, or chain, in one
         call of the drafter (a drafter that runs a model batches its forwards across the requests)."""
         decoding = [r for r in batch if r.prefilled]
-        self.drafting = self.gate is None or self.gate.begin_step(len(decoding))
+        self.pending = sum(r.state.drafter.pending() for r in decoding) if self.gate is not None else 0
+        self.drafting = self.gate is None or self.gate.begin_step(len(decoding), self.pending)
+        self.draft_seconds = 0.0
         ready = [r for r in decoding if self.room(r) > 0]
         if not self.drafting or len(decoding) < 2 or not ready:
             return
@@ -126,7 +129,8 @@ class SpeculativeDecoding(FullDepth):
                                             [r.seq.params for r in chains], [r.generator for r in chains], self.width)
             for r, draft in zip(chains, drafts):
                 r.state.draft = draft
-        share = (device_time(self.model.device) - t0) / len(ready)
+        self.draft_seconds = device_time(self.model.device) - t0
+        share = self.draft_seconds / len(ready)
         for r in ready:
             r.state.stats.draft_seconds += share
 
@@ -137,6 +141,8 @@ class SpeculativeDecoding(FullDepth):
 
     def end_step(self, tokens: int, seconds: float) -> None:
         if self.gate is not None:
+            if self.drafting:
+                self.gate.drafted(self.pending, self.draft_seconds)
             self.gate.end_step(tokens, seconds)
 
     def generate(self, seq: Sequence) -> dict:
@@ -168,7 +174,9 @@ class SpeculativeDecoding(FullDepth):
                 st.tree = self.grower.grow(last, st.drafter, [st.drafter])[0]
             if st.tree is None:
                 st.draft = st.drafter.draft(min(self.num_tokens, room), params, r.generator, self.width)
-            st.stats.draft_seconds += device_time(model.device) - t0
+            seconds = device_time(model.device) - t0
+            st.stats.draft_seconds += seconds
+            self.draft_seconds += seconds
         if st.plain:  # full depth's own row (FullDepth.plan's, with the tensor made above)
             return Segment(last, r.cache, model.range_inputs(n, 1))
         if st.tree is not None:
