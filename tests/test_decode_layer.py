@@ -276,3 +276,31 @@ def test_the_cpp_layers_silu_matches_torchs_at_every_level_with_tails_extremes_a
             finally:
                 kernels.use_level(before)
             torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30, equal_nan=True, msg=f"n={n}, {level}")
+
+
+def test_the_heads_top_k_names_torchs_k_largest_at_every_level_with_ties_nan_and_short_rows():
+    """greedy.cpp's top_k_rows (the candidates a quantized LM head recomputes) against torch.topk's
+    values: rows with and without a tail past the 16-wide vectors, many ties, a NaN (never chosen
+    while k values beat it), and a row with fewer than k values above -inf (k distinct indices still)."""
+    from specee.model import kernels
+    from specee.model.quant import top_k
+
+    if kernels.cpu_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((5, 5), (40, 16), (49152, 16), (151936, 16)):
+        x = torch.randn(4, n, generator=g)
+        x[1] = (x[1] * 3).round()  # ties
+        x[2, n // 2] = float("nan")
+        x[3] = float("-inf")
+        x[3, n - 1] = 1.0
+        want = x.nan_to_num(nan=float("-inf")).topk(k, dim=-1).values
+        for level in kernels.LEVELS[: kernels.cpu_kernels().int4_best_level() + 1]:
+            before = kernels.use_level(level)
+            try:
+                got = top_k(x, k)
+            finally:
+                kernels.use_level(before)
+            assert all(len(set(row.tolist())) == k for row in got), (n, level)
+            assert torch.equal(x.gather(1, got).nan_to_num(nan=float("-inf")).sort(descending=True).values, want), \
+                (n, level)

@@ -300,6 +300,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_check", &kquant_check);
   m.def("row_attention_available", &row_attention_available);
   m.def("greedy_rows", &greedy_rows);
+  m.def("top_k_rows", &top_k_rows);
   m.def("silu_mul", [](const at::Tensor& gate, const at::Tensor& up) {  // the MLP's activation, for tests
     TORCH_CHECK(gate.scalar_type() == at::kFloat && up.sizes() == gate.sizes(), "silu_mul: float32, one shape");
     const at::Tensor g = gate.contiguous(), u = up.contiguous();
