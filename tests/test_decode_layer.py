@@ -283,7 +283,7 @@ def test_the_heads_top_k_names_torchs_k_largest_at_every_level_with_ties_nan_and
     values: rows with and without a tail past the 16-wide vectors, many ties, a NaN (never chosen
     while k values beat it), and a row with fewer than k values above -inf (k distinct indices still)."""
     from specee.model import kernels
-    from specee.model.quant import top_k
+    from specee.sampling import top_k
 
     if kernels.cpu_kernels() is None:
         pytest.skip("no C++ kernels here")

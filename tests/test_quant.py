@@ -24,7 +24,8 @@ from specee.model import kernels
 from specee.model.kernels import int4_kernel
 from specee.model.llama import Transformer
 from specee.model.gguf_blocks import GGUFWeight, gguf_int4_codes
-from specee.model.quant import FloatLinear, Int4Linear, Int8Linear, linear_from_parts, top_k
+from specee.model.quant import FloatLinear, Int4Linear, Int8Linear, linear_from_parts
+from specee.sampling import top_k
 
 from conftest import greedy_with_margins, real_model_dir
 

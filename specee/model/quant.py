@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ..sampling import top_k
 from .gguf_blocks import GGUFWeight, gguf_int4_codes
 
 MODES = ("int4", "int8", "auto")  # auto: each GGUF tensor's nearest native format, float stays float
@@ -306,18 +307,6 @@ class RefinedHead:
         if wider and head.in_features % 32 == 0 and head.out_features % 16 == 0:
             ranker = Int4Linear.from_float(head.dequantize())
         return cls(head, ranker)
-
-
-def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices of the k largest along the last dim: one C++ call over float32 rows on the CPU
-    (greedy.cpp; torch.topk took 121 us of SmolLM2's head), else torch.topk."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        from .kernels import cpu_kernels
-
-        if (kernels := cpu_kernels()) is not None:
-            rows = logits.reshape(-1, logits.shape[-1]).contiguous()
-            return kernels.top_k_rows(rows, k).view(*logits.shape[:-1], k)
-    return logits.topk(k, dim=-1).indices
 
 
 def kernel_spec(lin: Linear) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:

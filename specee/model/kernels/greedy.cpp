@@ -59,7 +59,11 @@ struct TopK {
   std::vector<float> val;
   std::vector<int64_t> idx;
 
-  explicit TopK(int64_t k) : val(k, -std::numeric_limits<float>::infinity()), idx(k, -1) {}
+  explicit TopK(int64_t k) : val(k), idx(k) {}
+  void clear() {  // a new row (the buffers are the call's, not the row's)
+    std::fill(val.begin(), val.end(), -std::numeric_limits<float>::infinity());
+    std::fill(idx.begin(), idx.end(), -1);
+  }
   void fill_empty() {
     int64_t next = 0;
     for (int64_t& i : idx) {
@@ -112,8 +116,9 @@ at::Tensor top_k_rows(const at::Tensor& logits, int64_t k) {
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   const bool wide = avx512_level();
+  TopK top(k);
   for (int64_t r = 0; r < rows; ++r) {
-    TopK top(k);
+    top.clear();
     if (wide)
       top_k_avx512(x + r * n, n, top);
     else
