@@ -304,3 +304,89 @@ def test_the_heads_top_k_names_torchs_k_largest_at_every_level_with_ties_nan_and
             assert all(len(set(row.tolist())) == k for row in got), (n, level)
             assert torch.equal(x.gather(1, got).nan_to_num(nan=float("-inf")).sort(descending=True).values, want), \
                 (n, level)
+
+
+@torch.inference_mode()
+def test_the_layer_stack_runs_a_step_in_one_call_with_each_layers_numbers(tmp_path):
+    """The C++ stack (a range of layers in one call from Python) gives the hidden states of calling
+    the layers one at a time, bit for bit, on a batch of a decode row and a verification chain; an
+    engine step makes one stack call; wrapping the layers (or no C++ layers) leaves no stack."""
+    from specee import LLM, SamplingParams
+    from specee.engine.runner import Segment, ragged_inputs
+
+    llm = LLM(make_checkpoint(tmp_path / "m", variant("qwen2"), seed=3), quantization="int4")
+    model = llm.model
+    if model.fast_stack is None:
+        pytest.skip("the C++ decode layer could not be built here (no compiler)")
+    caches = [model.new_cache(1, 32), model.new_cache(1, 32)]
+    prefix = torch.randn(1, 12, model.cfg.hidden_size)
+    for cache in caches:
+        model.ragged_layers(0, model.cfg.num_layers, prefix, ragged_inputs(
+            [Segment(torch.zeros(12, dtype=torch.long), cache, model.range_inputs(0, 12))],
+            [model.range_inputs(0, 12)], [12]))
+    steps = [model.range_inputs(12, 1), model.range_inputs(12, 4)]  # a decode row, a chain
+    batch = ragged_inputs([Segment(torch.zeros(n, dtype=torch.long), c, s) for n, c, s in zip((1, 4), caches, steps)],
+                          steps, [1, 4])
+    h = torch.randn(1, 5, model.cfg.hidden_size)
+    stack, L = model.fast_stack, model.cfg.num_layers
+    got = model.ragged_layers(1, L, model.ragged_layers(0, 1, h, batch), batch)  # two ranges, as feature layers split them
+    model.fast_stack = None
+    want = model.ragged_layers(0, L, h, batch)
+    model.fast_stack = stack
+    assert torch.equal(got, want)
+
+    calls = []
+
+    class Counted:
+        def ragged(self, *a):
+            calls.append((a[0], a[1]))
+            return stack.ragged(*a)
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = llm.generate([5, 6, 7], params)[0].token_ids
+    model.fast_stack = Counted()
+    assert llm.generate([5, 6, 7], params)[0].token_ids == alone
+    assert calls == [(0, L)] * 6  # the prefill and each decode step after its token: one call each
+    model.fast_stack = stack
+    model.fast_layers = [layer for layer in model.fast_layers]  # C++ layers still: a stack of them
+    assert model.fast_stack is not None
+    model.fast_layers = [lambda *a: None] + model.fast_layers[1:]
+    assert model.fast_stack is None
+
+
+def test_the_heads_rescoring_the_final_norm_and_q8_0_rows_match_their_references():
+    """The quantized head's helpers in C++: Q8_0 rows as gguf dequantizes them (bit for bit), the
+    exact rescoring of candidates (float64 dot products to float32 rounding, nothing else written)
+    and the final RMS norm (torch's to float32 rounding)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    from specee.model import kernels
+    from specee.model.gguf_blocks import GGUFWeight
+
+    module = kernels.cpu_kernels()
+    if module is None:
+        pytest.skip("no C++ kernels here")
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(300, 96, generator=g) * torch.logspace(-3, 1, 300).unsqueeze(1)).numpy()
+    table = GGUFWeight(gguf.GGMLQuantizationType.Q8_0, quantize(weight, gguf.GGMLQuantizationType.Q8_0))
+    ids = torch.tensor([299, 0, 17, 17, 150])
+    want = torch.from_numpy(np.ascontiguousarray(table.dequantize().numpy()[ids.numpy()]))
+    assert torch.equal(table.rows(ids), want) and torch.equal(module.q8_0_rows(table._table(), ids), want)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        module.q8_0_rows(table._table(), torch.tensor([300]))
+
+    x = torch.randn(3, 96, generator=g)
+    logits = torch.randn(3, 300, generator=g)
+    picked = torch.stack([torch.randperm(300, generator=g)[:16] for _ in range(3)])
+    rows = table.rows(picked.reshape(-1)).view(3, 16, 96)
+    got = module.rescore_rows(logits.clone(), picked, rows, x)
+    exact = (rows.double() * x.double().unsqueeze(1)).sum(-1).float()
+    untouched = torch.ones_like(logits, dtype=torch.bool).scatter_(1, picked, False)
+    assert torch.equal(got[untouched], logits[untouched])
+    torch.testing.assert_close(got.gather(1, picked), exact, rtol=1e-5, atol=1e-5)
+
+    h, w = torch.randn(2, 5, 96, generator=g) * 7, torch.rand(96, generator=g) + 0.5
+    torch.testing.assert_close(module.rms_norm(h, w, 1e-5), torch.nn.functional.rms_norm(h, (96,), w, 1e-5),
+                               rtol=2e-6, atol=1e-6)

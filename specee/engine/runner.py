@@ -5,7 +5,8 @@ prompt when it joins, its last token when it decodes, its last token and the dra
 verifies) that writes and reads its own cache under its own attention description. Which layer
 code runs is one rule, in the model (`Transformer.ragged_layer`): the C++ layer for a quantized
 float32 model on the CPU where the kernels build, the Python layer otherwise; both take every
-description a StepInputs carries (causal prefix, chain, tree mask, holes).
+description a StepInputs carries (causal prefix, chain, tree mask, holes). Without hooks, the layers
+run as one call (`Transformer.ragged_layers`: the C++ stack where it runs).
 
 A segment may carry early exit's hooks (`LayerHooks`, engine/early_exit.py): carried rows that
 join it at the layers they resume from, a mask per layer (the skip policy's holes), and a check
@@ -99,10 +100,10 @@ class ModelRunner:
         tokens = torch.cat([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
         h = model.embed(tokens[None, :])
         kept: dict[int, torch.Tensor] = {}
-        for i in range(model.cfg.num_layers):
-            h = model.ragged_layer(i, h, batch)
-            if i in feature_layers:
-                kept[i] = h[0]
+        done = 0
+        for last in sorted({*feature_layers, model.cfg.num_layers - 1}):  # runs of layers between kept outputs
+            h = model.ragged_layers(done, last + 1, h, batch)
+            kept[last], done = h[0], last + 1
         feats = torch.cat([kept[i] for i in feature_layers], dim=-1) if feature_layers else None
         return h[0], feats, rows
 

@@ -3,11 +3,14 @@ linear is built (model/quant.py), then dequantized by `gguf` or, for Q4 blocks, 
 groups without a float round trip."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from .kernels import loaded_cpu_kernels
 
 if TYPE_CHECKING:
     import gguf
@@ -20,6 +23,7 @@ class GGUFWeight:
 
     qtype: gguf.GGMLQuantizationType
     data: np.ndarray
+    _bytes: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -39,11 +43,21 @@ class GGUFWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [n] as `dequantize()` gives them, [n, K] float32: an embedding lookup that leaves
-        the table in its blocks."""
+        the table in its blocks (Q8_0, SmolLM2's embedding and head: one C++ call, kquant.cpp)."""
         if not ids.numel():
             return torch.empty(0, self.shape[1])
+        if self.qtype.name == "Q8_0" and self.data.dtype == np.uint8 and (kernels := loaded_cpu_kernels()) is not None:
+            return kernels.q8_0_rows(self._table(), ids.reshape(-1).cpu())
         picked = np.ascontiguousarray(self.data[ids.cpu().numpy()])
         return GGUFWeight(self.qtype, picked).dequantize().reshape(len(picked), self.shape[1])
+
+    def _table(self) -> torch.Tensor:
+        """The raw blocks as a uint8 tensor over the same memory (made once; never written)."""
+        if self._bytes is None:
+            with warnings.catch_warnings():  # a read-only memory map: torch warns that it cannot be written
+                warnings.simplefilter("ignore", UserWarning)
+                self._bytes = torch.from_numpy(self.data)
+        return self._bytes
 
     def to(self, device=None, dtype=None) -> torch.Tensor:
         """As a float tensor (the embedding, norms, or a weight the caller wants float)."""

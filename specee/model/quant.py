@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..sampling import top_k
 from .gguf_blocks import GGUFWeight, gguf_int4_codes
+from .kernels import loaded_cpu_kernels
 
 MODES = ("int4", "int8", "auto")  # auto: each GGUF tensor's nearest native format, float stays float
 INT4_GROUP = 32  # GGUF's Q4_0/Q4_1/Q4_K groups are 32 weights: one repack for both sources
@@ -273,10 +274,17 @@ class RefinedHead:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         logits = (self.ranker or self.head)(x)
         ids = top_k(logits, self.refined)  # [..., refined]
-        exact = (self.head.rows(ids).float() * x.float().unsqueeze(-2)).sum(-1)
+        rows = self.head.rows(ids)
+        if self.bias is None and x.dtype == logits.dtype == rows.dtype == torch.float32 and x.device.type == "cpu" and (
+                kernels := loaded_cpu_kernels()) is not None:  # one call (greedy.cpp); the kernel's output is ours to change
+            flat = logits.view(-1, self.out_features)
+            kernels.rescore_rows(flat, ids.reshape(len(flat), -1), rows.reshape(len(flat), self.refined, -1),
+                                 x.reshape(len(flat), -1).contiguous())
+            return logits
+        exact = (rows.float() * x.float().unsqueeze(-2)).sum(-1)
         if self.bias is not None:
             exact += self.bias[ids].float()
-        return logits.scatter_(-1, ids, exact.to(logits.dtype))  # the kernel's output: ours to change
+        return logits.scatter_(-1, ids, exact.to(logits.dtype))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.rows(ids)

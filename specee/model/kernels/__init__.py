@@ -72,6 +72,12 @@ def cpu_kernels() -> ModuleType | None:
     return _build()
 
 
+def loaded_cpu_kernels() -> ModuleType | None:
+    """`cpu_kernels()` where this process has loaded them already, else None: for helpers of the
+    quantized path that must not start a build on a float model's behalf."""
+    return cpu_kernels() if _build.cache_info().currsize else None
+
+
 def int4_kernel() -> ModuleType | None:
     """The module whose `int4_mm` serves int4 linears (at the level `use_level` and the activations
     `use_activations` set), or None."""

@@ -55,6 +55,7 @@ struct Linear {
 
 void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps) {
   float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   const float r = 1.f / std::sqrt(ss / n + static_cast<float>(eps));
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
@@ -75,6 +76,13 @@ struct Unit {
   int64_t kv_head;
   int64_t thread;
 };
+
+// y += x over n elements: a residual add, the single rounding of ATen's add without its dispatch
+void add_into(float* y, const float* x, int64_t n) {
+  at::parallel_for(0, n, kGrain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] += x[i];
+  });
+}
 
 // rms_norm of every row of x [S, n] into out
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t S, int64_t n, double eps) {
@@ -227,7 +235,8 @@ class DecodeLayer {
       const at::Tensor out = attention(qs[g], k[g], v[g], slot + firsts[g], kv_lens[g], masks[g], causal[g], chain[g]);
       attn.narrow(0, firsts[g], rows[g]).copy_(out.transpose(1, 2).reshape({rows[g], NH * D}));
     }
-    at::Tensor out = hc.view({S, H}) + lin_[1](attn);
+    at::Tensor out = lin_[1](attn);
+    add_into(out.data_ptr<float>(), hc.data_ptr<float>(), S * H);
     rms_norm_rows(out.data_ptr<float>(), mlp_norm_.data_ptr<float>(), x.data_ptr<float>(), S, H, eps_);
     // the MLP a chunk of rows at a time: a long prompt's gate/up output past glibc's mmap threshold (32 MB;
     // Qwen2.5-1.5B, 512 rows: 37 MB) came back as fresh pages, faulted in on every layer (+35% on that product)
@@ -243,7 +252,8 @@ class DecodeLayer {
           silu_mul(g, g + I, act.data_ptr<float>() + r * I, I);
         }
       });
-      out.narrow(0, c0, n).add_(lin_[3](act));
+      const at::Tensor down = lin_[3](act);
+      add_into(out.data_ptr<float>() + c0 * H, down.data_ptr<float>(), n * H);
     }
     return out.view({1, S, H});
   }
@@ -281,6 +291,32 @@ class DecodeLayer {
   Linear lin_[4];
 };
 
+// A model's decoder layers, a range of them over a step's rows in one call. Why: a call from Python
+// into one layer cost 10-15 us beyond its work (the interpreter and pybind11 running cold after the
+// layer before streamed its weights through the caches): a third of a millisecond of a SmolLM2 token.
+class DecodeStack {
+ public:
+  explicit DecodeStack(std::vector<DecodeLayer> layers) : layers_(std::move(layers)) {}
+
+  // Layers first .. last - 1 on the rows h, as DecodeLayer::forward_ragged each; k[i], v[i]: layer
+  // i's caches of the segments (every layer's lists, as RaggedInputs keeps them).
+  at::Tensor forward_ragged(int64_t first, int64_t last, at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& slots, const std::vector<std::vector<at::Tensor>>& k,
+                            const std::vector<std::vector<at::Tensor>>& v, const std::vector<int64_t>& rows,
+                            const std::vector<int64_t>& kv_lens, const std::vector<at::Tensor>& masks,
+                            const std::vector<bool>& causal, const std::vector<bool>& chain) const {
+    const int64_t L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(0 <= first && first <= last && last <= L && static_cast<int64_t>(k.size()) == L &&
+                    static_cast<int64_t>(v.size()) == L, "DecodeStack: a layer range and every layer's caches");
+    for (int64_t i = first; i < last; ++i)
+      h = layers_[i].forward_ragged(h, cos, sin, slots, k[i], v[i], rows, kv_lens, masks, causal, chain);
+    return h;
+  }
+
+ private:
+  std::vector<DecodeLayer> layers_;
+};
+
 // The calls that run the model release the GIL (pure ATen and C++ inside), so the engine thread's
 // layers do not stall the threads that stream its output, and theirs do not stall it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -289,6 +325,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("__call__", &DecodeLayer::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("ragged", &DecodeLayer::forward_ragged, pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<std::vector<DecodeLayer>>())
+      .def("ragged", &DecodeStack::forward_ragged, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_best_level", &int4_best_level);
   m.def("int4_level", &int4_level);
   m.def("int4_bf16_level", &int4_bf16_level);
@@ -301,6 +340,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_attention_available", &row_attention_available);
   m.def("greedy_rows", &greedy_rows);
   m.def("top_k_rows", &top_k_rows);
+  m.def("rescore_rows", &rescore_rows);
+  m.def("q8_0_rows", &q8_0_rows);
+  m.def("rms_norm", [](const at::Tensor& x, const at::Tensor& w, double eps) {  // the final norm, as the layers'
+    TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous() &&
+                    x.size(-1) == w.size(0), "rms_norm: float32 x [..., H] and weight [H]");
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty_like(xc);
+    rms_norm_rows(xc.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), xc.numel() / w.size(0), w.size(0), eps);
+    return out;
+  });
   m.def("silu_mul", [](const at::Tensor& gate, const at::Tensor& up) {  // the MLP's activation, for tests
     TORCH_CHECK(gate.scalar_type() == at::kFloat && up.sizes() == gate.sizes(), "silu_mul: float32, one shape");
     const at::Tensor g = gate.contiguous(), u = up.contiguous();

@@ -9,3 +9,8 @@ at::Tensor greedy_rows(const at::Tensor& logits);
 // logits [rows, vocab] float32, contiguous -> [rows, k] int64: each row's k largest, best first (ties:
 // the lower index first; NaN never among them)
 at::Tensor top_k_rows(const at::Tensor& logits, int64_t k);
+
+// logits[m, ids[m, j]] = rows[m, j] . x[m] in float32, in place (ids [M, k] int64, rows [M, k, K] and
+// x [M, K] float32, contiguous; logits [M, vocab] float32, contiguous): a quantized head's candidates
+// rescored exactly, one call where torch took five (quant.py RefinedHead)
+at::Tensor rescore_rows(at::Tensor logits, const at::Tensor& ids, const at::Tensor& rows, const at::Tensor& x);

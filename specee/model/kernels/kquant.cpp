@@ -256,3 +256,27 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   });
   return y;
 }
+
+at::Tensor q8_0_rows(const at::Tensor& table, const at::Tensor& ids) {
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kByte && table.stride(1) == 1 &&
+                  table.size(1) % 34 == 0 && ids.dim() == 1 && ids.scalar_type() == at::kLong,
+              "q8_0_rows: table uint8 [N, blocks x 34] with contiguous rows, ids int64 [n]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.size(0), N = table.size(0), blocks = table.size(1) / 34, K = 32 * blocks;
+  at::Tensor out = at::empty({n, K}, at::kFloat);
+  const int64_t* id = idc.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(0 <= id[r] && id[r] < N, "q8_0_rows: row ", id[r], " outside the table's ", N);
+    const uint8_t* row = table.data_ptr<uint8_t>() + id[r] * table.stride(0);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row + 34 * b;
+      c10::Half d;
+      std::memcpy(&d, block, 2);
+      const float scale = static_cast<float>(d);
+      const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+      for (int64_t e = 0; e < 32; ++e) o[r * K + 32 * b + e] = static_cast<float>(q[e]) * scale;
+    }
+  }
+  return out;
+}

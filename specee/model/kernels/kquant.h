@@ -12,3 +12,8 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // of its type's block): checked once when a linear is built (model/quant_gguf.py), not on every
 // product of the decode loop.
 void kquant_check(const at::Tensor& packed, const at::Tensor& tiles, int64_t K);
+
+// GGUF Q8_0 rows as float32: table uint8 [N, K / 32 * 34] (each block a float16 d, then 32 int8 q;
+// w = d q, gguf's own dequantization), ids int64 [n] -> float32 [n, K]. An embedding lookup and a
+// quantized head's rescored rows, every step: gguf's numpy path took 30-150 us a call of Python.
+at::Tensor q8_0_rows(const at::Tensor& table, const at::Tensor& ids);
