@@ -118,9 +118,8 @@ class Engine:
                 pick = self.decoding.picks(r, n)
             else:  # a prefill: its last row gives the first token, if the decoding takes it from there
                 pick = range(n - 1, n) if n == len(r.seq.prompt_ids) else range(0)
-            picks.append(torch.arange(offset + pick.start, offset + pick.stop))
-        index = torch.cat(picks).to(h.device)
-        logits = self.model.logits(h.index_select(0, index)) if index.numel() else None
+            picks.append(range(offset + pick.start, offset + pick.stop))
+        logits = self.model.logits(self._rows(h, picks)) if any(picks) else None
         verdicts, at = [], 0
         for r, pick in zip(batch, picks):
             own = None if logits is None else logits[at : at + len(pick)]
@@ -130,7 +129,8 @@ class Engine:
             else:
                 verdicts.append(sample(own, r.seq.params, r.generator) if len(pick) else [])
         on_device = [v for v in verdicts if isinstance(v, torch.Tensor)]
-        values = torch.cat(on_device).tolist() if on_device else []  # the step's one host read
+        chosen = torch.cat(on_device) if len(on_device) > 1 else on_device[0] if on_device else None
+        values = [] if chosen is None else chosen.tolist()  # the step's one host read
         now = device_time(self.model.device)
         at = total = 0
         for r, first, n, verdict in zip(batch, firsts, rows, verdicts):
@@ -154,6 +154,15 @@ class Engine:
                 r.last = emitted[-1]
             total += len(emitted)
         return total
+
+    @staticmethod
+    def _rows(h: torch.Tensor, picks: list[range]) -> torch.Tensor:
+        """The rows of h the picks name, in order: a view where they run on without a gap (every
+        request's rows, a decode step: each cold torch call after the layers cost 15-40 us), else a gather."""
+        spans = [p for p in picks if p]
+        if all(a.stop == b.start for a, b in zip(spans, spans[1:])):
+            return h[spans[0].start : spans[-1].stop]
+        return h.index_select(0, torch.cat([torch.arange(p.start, p.stop) for p in spans]).to(h.device))
 
     def _start(self, r: Running, first: list[int], features: torch.Tensor | None, now: float) -> None:
         """The request's prefill is done (its first token, if the prefill gave one); its decoding starts."""
