@@ -2,11 +2,13 @@
 
 - `decode_layer.cpp`: a decoder layer over a step's ragged rows (every request's segment), its
   elementwise work in plain C++ loops, its products through the kernels below: at batch 1 the ~40
-  ATen calls a layer makes from Python cost more than its products on a small model.
+  ATen calls a layer makes from Python cost more than its products on a small model. `DecodeStack`
+  runs a range of layers in one call (a call from Python cost ~8 us a layer); `rms_norm`, the final norm.
 - `row_attention.cpp`: one row's attention over its own prefix (decode rows, chain rows, a
   prefill's rows) in AVX-512, so a row's numbers never depend on what shares its step; trees and
   masked segments go to ATen. `activation.cpp`: the MLP's SiLU (the polynomial exp of
-  `exp_avx512.h`). `greedy.cpp`: each row's first maximum, the greedy choice in one call.
+  `exp_avx512.h`). `greedy.cpp`: each row's first maximum, the greedy choice in one call; a quantized
+  head's candidates (`top_k_rows`) and their exact logits written back (`rescore_rows`).
 - `int4_matmul.cpp`: int4 weights times bf16 activations, the arithmetic of PyTorch's int4 kernel
   (which spends more time widening weights than reading them), with AVX-512 BF16 dot products
   (where the CPU has BF16; otherwise the AVX2 path), AVX2 FMA or plain loops: the best the CPU
@@ -18,6 +20,7 @@
   SPECEE_ACTIVATIONS=bf16 or `use_activations("bf16")` sends every int4 product to the bf16 path.
 - `kquant.cpp` (+ `kquant_tile.h`): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.
+  `q8_0_rows`: Q8_0 rows dequantized as gguf does (an embedding lookup, a head's rescored rows).
 
 Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s), once per
 content of these sources (build.py: checkouts with identical sources share one build). Without a

@@ -55,7 +55,6 @@ struct Linear {
 
 void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps) {
   float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   const float r = 1.f / std::sqrt(ss / n + static_cast<float>(eps));
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
