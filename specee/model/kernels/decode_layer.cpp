@@ -291,8 +291,8 @@ class DecodeLayer {
 };
 
 // A model's decoder layers, a range of them over a step's rows in one call. Why: a call from Python
-// into one layer cost 10-15 us beyond its work (the interpreter and pybind11 running cold after the
-// layer before streamed its weights through the caches): a third of a millisecond of a SmolLM2 token.
+// into one layer cost about 8 us beyond its work (the interpreter and pybind11 running cold after the
+// layer before streamed its weights through the caches): SmolLM2 steps took 4.37 ms that way, 4.11 so.
 class DecodeStack {
  public:
   explicit DecodeStack(std::vector<DecodeLayer> layers) : layers_(std::move(layers)) {}
