@@ -19,6 +19,7 @@ import re
 
 import torch
 
+from ..model import huge_pages
 from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 
@@ -62,9 +63,10 @@ class KVCacheManager:
         self.num_blocks = max(1, self.blocks_for(max_tokens))
         slots = self.num_blocks * BLOCK_SIZE
         shape = (cfg.num_layers, 1, cfg.num_kv_heads, slots, cfg.head_dim)
-        # uninitialised (untouched memory costs nothing): `allocate` zeroes a run before handing it out
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        # uninitialised (untouched memory costs nothing): `allocate` zeroes a run before handing it out;
+        # on huge pages, which attention's reads stream as the weights' do (model/huge_pages.py)
+        self.k = huge_pages.empty(shape, dtype, device)
+        self.v = huge_pages.empty(shape, dtype, device)
         self.filled = torch.zeros(cfg.num_layers, 1, slots, dtype=torch.bool, device=device)
         self.slot_ids = torch.arange(slots, device=device)
         self.free_runs: list[tuple[int, int]] = [(0, self.num_blocks)]  # (first block, blocks), by first block

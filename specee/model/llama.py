@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .kv_cache import KV_CACHE_DTYPES, KVCache
 from .gguf_blocks import GGUFWeight
+from .huge_pages import move_to_huge_pages
 from .quant import FloatLinear, Linear, RefinedHead, kernel_spec, linear_from_parts
 from .rope import apply_rope, rope_tables, signed_sin
 from .gguf import config_from_gguf, open_gguf, read_gguf_state_dict
@@ -106,6 +107,7 @@ class RaggedInputs:
 class Transformer:
     _fast_layers: list | None = None  # the C++ layers (see fast_layers_for), or None
     fast_stack = None  # the same layers as one C++ object (a range of them in one call), or None
+    fast_kernels = None  # the C++ module the layers come from (its RMS norm serves the final norm)
     _no_mask = torch.empty(0, dtype=torch.bool)
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor | GGUFWeight], device: torch.device,
@@ -174,6 +176,7 @@ class Transformer:
         # CUDA's fused attention kernels take no mask together with grouped KV heads (it falls back to
         # the math kernel, scores materialised): where a mask is needed there, KV heads are expanded
         self.expand_kv_for_mask = device.type == "cuda"
+        move_to_huge_pages(self.resident_tensors())  # before the C++ layers take their pointers
         self.fast_layers = self.fast_layers_for()
         self.kv_dtype = self.kv_dtype_for(kv_cache_dtype)
 
@@ -198,11 +201,11 @@ class Transformer:
     def fast_layers(self, layers: list | None) -> None:
         """Set the C++ layers (None: the Python layer runs), and with them the stack that runs a range
         in one call (None unless every entry is a C++ layer: a test may wrap them to count calls)."""
-        self._fast_layers, self.fast_stack = layers, None
+        self._fast_layers, self.fast_stack, self.fast_kernels = layers, None, None
         if layers:
             from .kernels import cpu_kernels
 
-            kernel = cpu_kernels()
+            self.fast_kernels = kernel = cpu_kernels()
             if kernel is not None and all(isinstance(x, kernel.DecodeLayer) for x in layers):
                 self.fast_stack = kernel.DecodeStack(list(layers))
 
@@ -247,17 +250,22 @@ class Transformer:
             return cls(cfg, tensors, torch.device(device), dtype, path, quantization, kv_cache_dtype)
         return cls(cfg, read_state_dict(path), torch.device(device), dtype, path, quantization, kv_cache_dtype)
 
-    def weight_bytes(self) -> int:
-        """Bytes of resident weights (embedding, norms, linears; not the RoPE tables or KV cache),
-        each storage counted once (a float kv is a view of qkv, a float tied head is the embedding)."""
-        blocks = isinstance(self.embedding, GGUFWeight)
-        tensors = ([] if blocks else [self.embedding]) + [self.final_norm, *self.head.tensors()]
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The weights held in memory (embedding unless it stays GGUF blocks, norms, linears; not the
+        RoPE tables or KV cache); tensors may share a storage (a float kv is a view of qkv)."""
+        tensors = ([] if isinstance(self.embedding, GGUFWeight) else [self.embedding])
+        tensors += [self.final_norm, *self.head.tensors()]
         for w in self.layers:
             tensors += [w.attn_norm, w.mlp_norm]
             for lin in (w.qkv, w.kv, w.o, w.gate_up, w.down):
                 tensors += lin.tensors()
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        return sum(storages.values()) + (self.embedding.data.nbytes if blocks else 0)
+        return tensors
+
+    def weight_bytes(self) -> int:
+        """Bytes of resident weights, each storage counted once (a float tied head is the embedding)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.resident_tensors()}
+        blocks = self.embedding.data.nbytes if isinstance(self.embedding, GGUFWeight) else 0
+        return sum(storages.values()) + blocks
 
     # ---- pieces of a forward pass -------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -372,10 +380,8 @@ class Transformer:
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         """The final RMS norm: the C++ layers' own where they run (one call: after a token's weights
         streamed through the caches, ATen's took 85 us of a SmolLM2 token, Intel Xeon), else ATen's."""
-        if self.fast_layers is not None:
-            from .kernels import cpu_kernels
-
-            return cpu_kernels().rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
+        if self.fast_kernels is not None:
+            return self.fast_kernels.rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
         return F.rms_norm(h, (self.cfg.hidden_size,), self.final_norm, self.cfg.rms_norm_eps)
 
     def lm_head(self, h_normed: torch.Tensor) -> torch.Tensor:
