@@ -11,8 +11,10 @@ depth's tokens).
 Trying drafts again is what costs (Qwen2.5-Coder-1.5B with its 0.5B draft model, 4 requests x 64
 tokens: 0.63x of full depth's decode with drafts explored twice after losing alone), so:
 - a draft model first catches up on every token it skipped: the first drafting step after plain
-  ones is not measured (it says what switching costs, not what drafting does), and a try lasts
-  until one step is;
+  ones is not measured where it had tokens to catch up on (it says what switching costs, not what
+  drafting does), and a try lasts until one step is. An n-gram drafter pends nothing: its first
+  step is measured, so its try is one step (it was two, each up to 40% slower than a plain one at
+  8 SmolLM2 requests);
 - the gap between tries doubles while the same arm wins, and is at least what keeps a losing
   try's excess time under `explore_share` of the steps between tries;
 - a larger batch seen for the first time starts without drafts once a smaller one has been
@@ -103,11 +105,13 @@ class SpeculationGate:
         self.current: Bucket | None = None
         self.on = True
         self.drafted_last = True  # whether the step before drafted (a draft model is then caught up)
+        self.catching_up = False  # this step drafts after plain ones with tokens pending beyond one a request
         self.catch_up = CatchUpCost()
 
     def begin_step(self, batch_size: int, pending: int = 0) -> bool:
         """Whether this step's requests draft; pending: the tokens their drafters would run before
         drafting (`Drafter.pending`)."""
+        self.catching_up = pending > batch_size
         key = max(batch_size, 1).bit_length()
         if key not in self.buckets or self.warmup_cut_short(key):
             below = self.measured_below(key)
@@ -154,7 +158,7 @@ class SpeculationGate:
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step of only decoding requests emitted `tokens` in `seconds` (drafting included)."""
-        b, switched = self.current, self.on and not self.drafted_last
+        b, switched = self.current, self.on and not self.drafted_last and self.catching_up
         self.drafted_last = self.on
         if b.trying and self.on:
             b.tried_tokens, b.tried_seconds = b.tried_tokens + tokens, b.tried_seconds + seconds
