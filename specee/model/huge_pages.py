@@ -12,6 +12,7 @@ Elsewhere (another OS, a device other than the CPU, THP off) the buffers are ord
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 
 import torch
@@ -21,12 +22,16 @@ CHUNK = 64 << 20  # weights are moved a chunk at a time: the peak is one chunk m
 ALIGN = 64  # each storage starts on a cache line (and on its element size)
 
 
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
 def advised_bytes(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor of `nbytes` on fresh anonymous memory, 2 MiB-aligned and
     advised for huge pages (its pages are faulted in, huge, on first write)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(nbytes, dtype=torch.uint8)
-    size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
+    size = _round_up(max(nbytes, 1), HUGE_PAGE)
     # private and anonymous (mmap's default is shared, which THP's `madvise` mode leaves on small
     # pages): untouched, so no 4 KiB page is in yet
     area = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -43,11 +48,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     """torch.empty on advised pages where `device` is the CPU (the KV cache pool)."""
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    numel = 1
-    for n in shape:
-        numel *= n
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return advised_bytes(numel * itemsize).view(dtype).view(shape)
+    return advised_bytes(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
@@ -62,7 +63,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
     chunk: list[tuple[torch.UntypedStorage, list[torch.Tensor]]] = []
     filled = 0
     for entry in storages.values():
-        size = -(-entry[0].nbytes() // ALIGN) * ALIGN
+        size = _round_up(entry[0].nbytes(), ALIGN)
         if chunk and filled + size > CHUNK:
             _move_chunk(chunk)
             chunk, filled = [], 0
@@ -86,7 +87,7 @@ def _move_chunk(chunk: list[tuple[torch.UntypedStorage, list[torch.Tensor]]]) ->
     offsets, total = [], 0
     for storage, _ in chunk:
         offsets.append(total)
-        total += -(-storage.nbytes() // ALIGN) * ALIGN
+        total += _round_up(storage.nbytes(), ALIGN)
     area = advised_bytes(total)
     new = area.untyped_storage()
     with torch.no_grad():

@@ -105,7 +105,7 @@ class SpeculationGate:
         self.current: Bucket | None = None
         self.on = True
         self.drafted_last = True  # whether the step before drafted (a draft model is then caught up)
-        self.catching_up = False  # this step drafts after plain ones with tokens pending beyond one a request
+        self.catching_up = False  # this step's drafters have tokens to run beyond one a request (a catch-up)
         self.catch_up = CatchUpCost()
 
     def begin_step(self, batch_size: int, pending: int = 0) -> bool:
