@@ -144,6 +144,30 @@ def test_the_int4_kernel_on_a_large_product_and_1_to_8_rows(level, bf16_activati
 
 
 @torch.inference_mode()
+def test_prefetching_or_not_gives_the_same_products_at_every_level(level):
+    """Whether the int4 products prefetch (chosen per CPU at load, engine/threads.py) changes no bit,
+    for both activations, one row and several."""
+    kernel = int4_kernel()
+    torch.manual_seed(4)
+    lin = Int4Linear.from_float(torch.randn(320, 1024) * 0.05)
+    x = torch.randn(5, 1024)
+    prefetch, activations = kernel.int4_prefetch(), kernels.ACTIVATIONS[kernel.int4_activations()]
+    try:
+        for name in kernels.ACTIVATIONS:
+            kernels.use_activations(name)
+            kernel.int4_set_prefetch(True)
+            assert kernel.int4_prefetch()
+            on = (lin(x), lin(x[:1]))
+            kernel.int4_set_prefetch(False)
+            assert not kernel.int4_prefetch()
+            off = (lin(x), lin(x[:1]))
+            assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1]), name
+    finally:
+        kernel.int4_set_prefetch(prefetch)
+        kernels.use_activations(activations)
+
+
+@torch.inference_mode()
 def test_the_int4_levels_differ_only_in_float32_summation_order():
     levels = reachable_levels()
     if len(levels) < 2:

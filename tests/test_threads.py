@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from specee import LLM, SamplingParams, cli
-from specee.engine.threads import ThreadPolicy, candidates, check_threads, choose_threads
+from specee.engine.threads import ThreadPolicy, candidates, check_threads, choose_prefetch, choose_threads
+from specee.model import kernels
 
 from conftest import MODELS
+from checkpoints import VARIANTS, make_checkpoint
 
 STORIES = MODELS / "stories260K"
 needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"shared models not found at {STORIES}")
@@ -70,6 +72,46 @@ def test_a_count_far_slower_stops_being_timed():
         time.sleep(0.001 if n == 1 else 0.02)
     assert choose_threads(step, [1, 2]).threads == 1
     assert calls == {1: 2, 2: 2}  # a warm-up and one timed step each: 2 was out after the first round
+
+
+@pytest.fixture
+def kernel():
+    """The C++ kernels, their prefetch setting restored afterwards."""
+    module = kernels.cpu_kernels()
+    if module is None:
+        pytest.skip("no C++ kernels here")
+    before = module.int4_prefetch()
+    yield module
+    module.int4_set_prefetch(before)
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_int4_prefetch_setting_is_the_faster_one_and_stays_set(kernel, monkeypatch, faster):
+    monkeypatch.delenv("SPECEE_INT4_PREFETCH", raising=False)
+    on, step_ms = choose_prefetch(lambda: time.sleep((0.002 if kernel.int4_prefetch() == faster else 0.006)))
+    assert on == faster == kernel.int4_prefetch()
+    assert step_ms[faster] < step_ms[not faster]
+
+
+def test_specee_int4_prefetch_sets_it_without_timing_and_refuses_other_values(kernel, monkeypatch):
+    def step():
+        raise AssertionError("timed although the setting was given")
+    for value, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("SPECEE_INT4_PREFETCH", value)
+        assert choose_prefetch(step) == (want, {}) and kernel.int4_prefetch() == want
+    monkeypatch.setenv("SPECEE_INT4_PREFETCH", "yes")
+    with pytest.raises(ValueError, match=r"^SPECEE_INT4_PREFETCH='yes': 1 .* or 0"):
+        choose_prefetch(step)
+
+
+def test_a_model_with_int4_products_times_prefetching_at_load_and_a_float_one_does_not(kernel, monkeypatch, tmp_path):
+    monkeypatch.delenv("SPECEE_INT4_PREFETCH", raising=False)
+    path = make_checkpoint(tmp_path / "m", VARIANTS["qwen2"], seed=3)  # a vocabulary int4 can hold
+    quantized = LLM(path, quantization="int4", threads=1)
+    assert set(quantized.threads.prefetch_ms) == {True, False}
+    assert quantized.threads.prefetch == kernel.int4_prefetch()
+    float_model = LLM(path, quantization=None, threads=1)
+    assert float_model.threads.prefetch is None and float_model.threads.prefetch_ms == {}
 
 
 def test_candidates():

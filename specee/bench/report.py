@@ -64,6 +64,10 @@ def environment(llm=None, *, draft: str | None = None, drafter=None, bank: str |
         "platform": platform.platform(),
         "command": list(argv) if argv is not None else [Path(sys.argv[0]).name, *sys.argv[1:]],
     }
+    from ..model.kernels import loaded_cpu_kernels
+
+    if (kernels := loaded_cpu_kernels()) is not None:
+        env["int4_prefetch"] = bool(kernels.int4_prefetch())  # chosen at load (engine/threads.py)
     try:
         import transformers
 
@@ -153,7 +157,8 @@ def environment_md(env: dict[str, Any]) -> str:
         ("bank", f"{bank.get('path')} (offline layers {bank.get('offline_layers')})" if bank else None),
         ("device / dtype", f"{env.get('device')} / {env.get('dtype')}" + (f" ({env['gpu']})" if env.get("gpu") else "")),
         ("torch / transformers", f"{env.get('torch')} / {env.get('transformers')}"),
-        ("threads / CPU", f"{env.get('torch_threads')} / {env.get('cpu')}"),
+        ("threads / CPU", f"{env.get('torch_threads')} / {env.get('cpu')}"
+         + (f" (int4 products {'' if env['int4_prefetch'] else 'do not '}prefetch)" if "int4_prefetch" in env else "")),
         ("git", f"{git.get('commit')}{' (dirty)' if git.get('dirty') else ''}" if git else "n/a"),
         ("command", " ".join(env.get("command") or [])),
     ]

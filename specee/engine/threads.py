@@ -6,6 +6,11 @@ descheduled thread stalls the rest: on a 2-core AMD EPYC with one busy process, 
 given, one decode step is timed with 1, all-but-one and all threads, interleaved, and the fastest
 median wins (BENCHMARKS.md, "int4 kernel levels, threads on a busy machine"). torch's thread count is one per process: the counts tried
 go up to its setting when the LLM is built, and the LLM leaves it at the count chosen.
+
+The same probe decides, once at load, whether the int4 products prefetch their weights
+(kernels/int4_common.h): on an Intel Xeon it took SmolLM2's four products a layer from 157 to 110 us,
+on an AMD EPYC (Zen 4) decoding with it ran 0.80x of decoding without (24 of 24 alternating pairs),
+the CPU's own prefetchers doing better alone. SPECEE_INT4_PREFETCH=1 or 0 sets it instead.
 """
 from __future__ import annotations
 
@@ -13,11 +18,16 @@ import ctypes
 import functools
 import statistics
 import time
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ..model.kernels import loaded_cpu_kernels
+from ..model.quant import Int4Linear
+
+PREFETCH_ENV = "SPECEE_INT4_PREFETCH"
 PROBE_SECONDS = 0.4  # at most about this long timing steps at load (a few rounds on a large model)
 ROUNDS = (3, 7)  # interleaved rounds per thread count: at least, at most
 
@@ -40,29 +50,62 @@ def candidates(most: int) -> list[int]:
     return sorted({1, max(1, most - 1), most})
 
 
-def choose_threads(step: Callable[[], object], counts: list[int]) -> ThreadChoice:
-    """Time `step` under each thread count, interleaved so that a load that comes and goes hits
-    them alike, and set the count with the fastest median; one warm-up step each first. A count
-    whose fastest step is over twice another's slowest stops being timed (a busy machine's 2
-    threads took 60-360 ms a step against 7-16 ms: more rounds would only cost time)."""
-    times: dict[int, list[float]] = {n: [] for n in counts}
-    live = list(counts)
+def fastest(step: Callable[[], object], options: list, apply: Callable[[object], object]) -> tuple[object, dict]:
+    """Time `step` under each option (`apply(option)` sets it), interleaved so that a load that comes
+    and goes hits them alike, and set the option with the fastest median; one warm-up step each
+    first. An option whose fastest step is over twice another's slowest stops being timed (a busy
+    machine's 2 threads took 60-360 ms a step against 7-16 ms: more rounds would only cost time).
+    Returns it and the median step in ms per option timed."""
+    times: dict = {o: [] for o in options}
+    live = list(options)
     start = time.perf_counter()
     for rounds in range(ROUNDS[1]):
         if len(live) < 2 or (rounds >= ROUNDS[0] and time.perf_counter() - start > PROBE_SECONDS):
             break
-        for n in live:
-            torch.set_num_threads(n)
+        for o in live:
+            apply(o)
             if rounds == 0:
                 step()  # warm-up: the pool's first use, caches
             t = time.perf_counter()
             step()
-            times[n].append(time.perf_counter() - t)
-        live = [n for n in live if not any(min(times[n]) > 2 * max(times[m]) for m in live)]
-    step_ms = {n: 1e3 * statistics.median(ts) for n, ts in times.items() if ts}
-    best = min(live, key=lambda n: (step_ms.get(n, 0.0), n))
-    torch.set_num_threads(best)
+            times[o].append(time.perf_counter() - t)
+        live = [o for o in live if not any(min(times[o]) > 2 * max(times[m]) for m in live)]
+    step_ms = {o: 1e3 * statistics.median(ts) for o, ts in times.items() if ts}
+    best = min(live, key=lambda o: (step_ms.get(o, 0.0), o))
+    apply(best)
+    return best, step_ms
+
+
+def choose_threads(step: Callable[[], object], counts: list[int]) -> ThreadChoice:
+    """The fastest of `counts` on `step` (the fewer threads on a tie), set as torch's count."""
+    best, step_ms = fastest(step, counts, torch.set_num_threads)
     return ThreadChoice(best, step_ms)
+
+
+def prefetch_setting() -> bool | None:
+    """SPECEE_INT4_PREFETCH as a bool, None where unset; a one-line error for another value."""
+    value = os.environ.get(PREFETCH_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PREFETCH_ENV}={value!r}: 1 (int4 products prefetch) or 0 (they do not)")
+    return None if value == "" else value == "1"
+
+
+def uses_int4_kernels(model) -> bool:
+    """Whether any of the model's products (the head's ranker included) runs specee's int4 kernels."""
+    linears = [lin for w in model.layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
+    linears += [getattr(model.head, "ranker", None) or getattr(model.head, "head", model.head)]
+    return any(isinstance(lin, Int4Linear) and lin.kernel is not None for lin in linears)
+
+
+def choose_prefetch(step: Callable[[], object]) -> tuple[bool, dict[bool, float]]:
+    """Whether the int4 products prefetch: SPECEE_INT4_PREFETCH if set, else the faster on `step`
+    (prefetching on a tie: what the kernels did before it was measured)."""
+    kernels = loaded_cpu_kernels()
+    forced = prefetch_setting()
+    if forced is not None:
+        kernels.int4_set_prefetch(forced)
+        return forced, {}
+    return fastest(step, [True, False], kernels.int4_set_prefetch)
 
 
 def decode_step(model) -> Callable[[], object]:
@@ -106,12 +149,15 @@ class ThreadPolicy:
     def __init__(self, model, threads: int | None):
         self.most = torch.get_num_threads()  # the ceiling of the counts tried, kept across checks
         self.auto = threads is None and model.device.type == "cpu"
-        self.step = decode_step(model) if self.auto else None
+        int4 = model.device.type == "cpu" and uses_int4_kernels(model)
+        self.step = decode_step(model) if self.auto or int4 else None
         if threads is not None:
             torch.set_num_threads(threads)
         self.choice = ThreadChoice(threads or self.most)
         self.checked = -float("inf")
         self.refresh()
+        # after the thread count: measured at the count that decodes; {} where nothing was timed
+        self.prefetch, self.prefetch_ms = choose_prefetch(self.step) if int4 else (None, {})
 
     def hold(self) -> None:
         """Keep the count chosen so far (a benchmark compares configurations under one count)."""

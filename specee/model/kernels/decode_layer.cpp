@@ -333,6 +333,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_set_level", &int4_set_level);
   m.def("int4_activations", &int4_activations);
   m.def("int4_set_activations", &int4_set_activations);
+  m.def("int4_prefetch", &int4_prefetch);
+  m.def("int4_set_prefetch", &int4_set_prefetch);
   m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_mm", &kquant_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_check", &kquant_check);

@@ -223,6 +223,10 @@ void int4_set_activations(int64_t mode) {
   g_activations.store(mode);
 }
 
+bool int4_prefetch() { return g_prefetch.load(); }
+
+void int4_set_prefetch(bool on) { g_prefetch.store(on); }
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
