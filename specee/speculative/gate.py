@@ -11,10 +11,11 @@ depth's tokens).
 Trying drafts again is what costs (Qwen2.5-Coder-1.5B with its 0.5B draft model, 4 requests x 64
 tokens: 0.63x of full depth's decode with drafts explored twice after losing alone), so:
 - a draft model first catches up on every token it skipped: the first drafting step after plain
-  ones is not measured where it had tokens to catch up on (it says what switching costs, not what
-  drafting does), and a try lasts until one step is. An n-gram drafter pends nothing: its first
-  step is measured, so its try is one step (it was two, each up to 40% slower than a plain one at
-  8 SmolLM2 requests);
+  ones is not measured (it says what switching costs, not what drafting does), and a try lasts
+  until one step is. An n-gram drafter has nothing to catch up on, but measuring its first step
+  too (a one-step try) lost on two AMD EPYCs: n-gram / full depth at 8 SmolLM2 requests 0.86-0.96x
+  against 0.92-1.14x with two-step tries (cheaper tries come more often, and one lucky step flips
+  the arm);
 - the gap between tries doubles while the same arm wins, and is at least what keeps a losing
   try's excess time under `explore_share` of the steps between tries;
 - a larger batch seen for the first time starts without drafts once a smaller one has been
@@ -105,13 +106,13 @@ class SpeculationGate:
         self.current: Bucket | None = None
         self.on = True
         self.drafted_last = True  # whether the step before drafted (a draft model is then caught up)
-        self.catching_up = False  # this step's drafters have tokens to run beyond one a request (a catch-up)
+        self.catch_up_tokens = 0  # what this step's drafters run beyond one token a request (a catch-up)
         self.catch_up = CatchUpCost()
 
     def begin_step(self, batch_size: int, pending: int = 0) -> bool:
         """Whether this step's requests draft; pending: the tokens their drafters would run before
         drafting (`Drafter.pending`)."""
-        self.catching_up = pending > batch_size
+        self.catch_up_tokens = max(pending - batch_size, 0)
         key = max(batch_size, 1).bit_length()
         if key not in self.buckets or self.warmup_cut_short(key):
             below = self.measured_below(key)
@@ -129,16 +130,16 @@ class SpeculationGate:
         if best != b.best:
             b.best, b.gap = best, self.explore
         b.since += 1
-        b.trying = b.since >= b.gap and (best or self.switch_fits(b, batch_size, pending))
+        b.trying = b.since >= b.gap and (best or self.switch_fits(b))
         self.on = best != b.trying
         return self.on
 
-    def switch_fits(self, b: Bucket, batch_size: int, pending: int) -> bool:
+    def switch_fits(self, b: Bucket) -> bool:
         """Whether switching drafts on now costs a catch-up within `explore_share` of the plain steps
-        since the last try (a drafting step runs about one pending token per request anyway)."""
+        since the last try."""
         if self.drafted_last:
             return True
-        catch_up = self.catch_up.per_token() * max(pending - batch_size, 0)
+        catch_up = self.catch_up.per_token() * self.catch_up_tokens
         return catch_up <= self.explore_share * b.since * b.plain.seconds / b.plain.weight
 
     def drafted(self, pending: int, seconds: float) -> None:
@@ -158,7 +159,7 @@ class SpeculationGate:
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step of only decoding requests emitted `tokens` in `seconds` (drafting included)."""
-        b, switched = self.current, self.on and not self.drafted_last and self.catching_up
+        b, switched = self.current, self.on and not self.drafted_last
         self.drafted_last = self.on
         if b.trying and self.on:
             b.tried_tokens, b.tried_seconds = b.tried_tokens + tokens, b.tried_seconds + seconds
