@@ -33,6 +33,8 @@ HOLDOUT = Path(__file__).resolve().parents[2] / "shared" / "data" / "specee_benc
 def holdout_prompts(n: int) -> list[str]:
     """Prompts from the SpecEE paper's speed sets (none of them used to tune anything here), mixed."""
     sets = sorted(HOLDOUT.glob("*_question.jsonl"))
+    if not sets:
+        raise SystemExit(f"no prompt sets (*_question.jsonl) in {HOLDOUT}: the shared data sits beside the repository")
     rows = [[json.loads(line)["turns"][0] for line in f.open()] for f in sets]
     mixed = [r[i] for i in range(max(map(len, rows))) for r in rows if i < len(r)]
     return mixed[:n]

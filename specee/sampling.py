@@ -1,10 +1,11 @@
 """Sampling parameters (shaped like vLLM's) and the token choice from logits."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
+
+from .model.kernels import loaded_cpu_kernels
 
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
@@ -102,7 +103,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     Inf (a NaN anywhere in a row makes its max NaN). On the CPU one C++ call (greedy.cpp) does what
     torch does in three, several times faster a row."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and (
-            kernels := _cpu_kernels()) is not None:
+            kernels := loaded_cpu_kernels()) is not None:
         return kernels.greedy_rows(logits.contiguous())
     best, tokens = logits.max(dim=-1)
     return torch.where(best.isfinite(), tokens, NONFINITE_TOKEN)
@@ -112,14 +113,8 @@ def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the k largest along the last dim (a quantized LM head's candidates for exact
     rescoring, model/quant.py): on the CPU one C++ call over float32 rows (greedy.cpp; torch.topk took
     121 us of a SmolLM2 token), else torch.topk."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and (kernels := _cpu_kernels()) is not None:
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and (kernels := loaded_cpu_kernels()) is not None:
         rows = logits.reshape(-1, logits.shape[-1]).contiguous()
         return kernels.top_k_rows(rows, k).view(*logits.shape[:-1], k)
     return logits.topk(k, dim=-1).indices
 
-
-@functools.cache
-def _cpu_kernels():
-    from .model.kernels import cpu_kernels
-
-    return cpu_kernels()

@@ -29,7 +29,7 @@ DEFAULT_KV_MEMORY = 1 << 30  # bytes, unless the context needs more (one full-co
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtype) -> int:
