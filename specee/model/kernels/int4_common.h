@@ -40,12 +40,14 @@ inline float bf16_to_float(uint16_t b) {
 // group g of a block, into the cache: a thread's blocks are contiguous, so this runs into its next
 // block. Without it the int4 products streamed at 10-17 GB/s on an Intel Xeon whose two cores read
 // 23 (SmolLM2's four products per layer 157 -> 110 us; 8 groups ahead was slower on small products).
-// Whether it pays depends on the CPU's own prefetchers, so it can be switched off at run time
-// (int4_set_prefetch; SPECEE_INT4_PREFETCH in Python, kernels/__init__.py).
+// For one row it depends on the CPU's own prefetchers (an AMD EPYC Zen 4 decoded 1.26x faster
+// without), so one-row products prefetch only where g_prefetch says (int4_set_prefetch, measured at
+// load: engine/threads.py); products of several rows, which compute longer per byte, always do (the
+// same Zen 4 at 8 requests: 0.93x without).
 constexpr int64_t kPrefetchGroups = 4;
 inline std::atomic<bool> g_prefetch{true};
-inline void prefetch_group(const uint8_t* w, const uint16_t* sz, int64_t g) {
-  if (!g_prefetch.load(std::memory_order_relaxed)) return;
+inline void prefetch_group(const uint8_t* w, const uint16_t* sz, int64_t g, int rows) {
+  if (rows == 1 && !g_prefetch.load(std::memory_order_relaxed)) return;
   const uint8_t* wa = w + (g + kPrefetchGroups) * (kGroup / 4) * 128;
   for (int i = 0; i < (kGroup / 4) * 128; i += 64) __builtin_prefetch(wa + i);
   const uint8_t* sa = reinterpret_cast<const uint8_t*>(sz + (g + kPrefetchGroups) * 128);

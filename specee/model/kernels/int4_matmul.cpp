@@ -44,7 +44,7 @@ SPECEE_INT4_AVX512_BF16 void block_avx512(const uint8_t* w, const uint16_t* sz, 
     for (int t = 0; t < T; ++t) out[r][t] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
   for (int64_t g = 0; g < G; ++g) {
-    prefetch_group(w, sz, g);
+    prefetch_group(w, sz, g, R);
     __m512 acc[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -120,7 +120,7 @@ SPECEE_INT4_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const flo
                             float* y, int64_t N) {
   const int64_t G = K / kGroup;
   for (int64_t g = 0; g < G; ++g) {
-    prefetch_group(w, sz, g);
+    prefetch_group(w, sz, g, R);
     for (int j0 = 0; j0 < 8; j0 += J) {
       __m256 acc[J][R];
       for (int j = 0; j < J; ++j)

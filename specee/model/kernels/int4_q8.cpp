@@ -152,7 +152,7 @@ SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const
   __m512i kept[kGroup / 4][4];
   const Q8 rest{x.q + 4 * K, x.d + 4 * (K / kGroup), x.ds + 4 * (K / kGroup)};
   for (int64_t g = 0; g < K / kGroup; ++g) {
-    prefetch_group(w, sz, g);
+    prefetch_group(w, sz, g, R);
     if constexpr (R <= 4) {
       group_avx512<R, kUnpack>(w, sz, x, K, g, kept, y, N);
     } else {
@@ -175,7 +175,7 @@ SPECEE_INT4_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const Q8&
   const int64_t G = K / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; ++g) {
-    prefetch_group(w, sz, g);
+    prefetch_group(w, sz, g, R);
     for (int j0 = 0; j0 < 8; j0 += J) {
       __m256i acc[J][R];  // int16 pair sums
       for (int j = 0; j < J; ++j)
