@@ -7,8 +7,8 @@ given, one decode step is timed with 1, all-but-one and all threads, interleaved
 median wins (BENCHMARKS.md, "int4 kernel levels, threads on a busy machine"). torch's thread count is one per process: the counts tried
 go up to its setting when the LLM is built, and the LLM leaves it at the count chosen.
 
-The same probe decides, once at load, whether one-row int4 products prefetch their weights
-(kernels/int4_common.h; several rows always do): on an Intel Xeon it took SmolLM2's four products a
+The same probe decides, once at load, whether int4 products of 1-3 rows prefetch their weights
+(kernels/int4_common.h; 4 rows or more always do): on an Intel Xeon it took SmolLM2's four products a
 layer from 157 to 110 us, on an AMD EPYC (Zen 4) decoding with it ran 0.80x of decoding without (24
 of 24 alternating pairs), the CPU's own prefetchers doing better alone. SPECEE_INT4_PREFETCH=1 or 0
 sets it instead.

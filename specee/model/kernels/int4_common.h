@@ -40,14 +40,16 @@ inline float bf16_to_float(uint16_t b) {
 // group g of a block, into the cache: a thread's blocks are contiguous, so this runs into its next
 // block. Without it the int4 products streamed at 10-17 GB/s on an Intel Xeon whose two cores read
 // 23 (SmolLM2's four products per layer 157 -> 110 us; 8 groups ahead was slower on small products).
-// For one row it depends on the CPU's own prefetchers (an AMD EPYC Zen 4 decoded 1.26x faster
-// without), so one-row products prefetch only where g_prefetch says (int4_set_prefetch, measured at
-// load: engine/threads.py); products of several rows, which compute longer per byte, always do (the
-// same Zen 4 at 8 requests: 0.93x without).
+// For a few rows it depends on the CPU's own prefetchers (an AMD EPYC Zen 4 decoded 1.26x faster
+// without), so products of 1-3 rows prefetch only where g_prefetch says (int4_set_prefetch,
+// measured at load: engine/threads.py); products of 4 rows or more, which compute longer per byte,
+// always do (that Zen 4, 3072 x 576 from memory: 1 / 2 / 4 / 8 rows 46.0 / 50.2 / 55.0 / 101.7 us
+// with, 35.8 / 39.8 / 53.9 / 122.2 without).
 constexpr int64_t kPrefetchGroups = 4;
+constexpr int kAlwaysPrefetchRows = 4;
 inline std::atomic<bool> g_prefetch{true};
 inline void prefetch_group(const uint8_t* w, const uint16_t* sz, int64_t g, int rows) {
-  if (rows == 1 && !g_prefetch.load(std::memory_order_relaxed)) return;
+  if (rows < kAlwaysPrefetchRows && !g_prefetch.load(std::memory_order_relaxed)) return;
   const uint8_t* wa = w + (g + kPrefetchGroups) * (kGroup / 4) * 128;
   for (int i = 0; i < (kGroup / 4) * 128; i += 64) __builtin_prefetch(wa + i);
   const uint8_t* sa = reinterpret_cast<const uint8_t*>(sz + (g + kPrefetchGroups) * 128);

@@ -12,6 +12,6 @@ inline bool avx512_level() { return int4_level() == 2; }
 void int4_set_level(int64_t level);
 int64_t int4_activations();  // 0: bf16, 1: int8 (Python sets its default, kernels/__init__.py)
 void int4_set_activations(int64_t mode);
-bool int4_prefetch();  // whether one-row int4 products prefetch their weights (int4_common.h)
+bool int4_prefetch();  // whether int4 products of 1-3 rows prefetch their weights (int4_common.h)
 void int4_set_prefetch(bool on);
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
