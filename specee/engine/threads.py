@@ -3,9 +3,10 @@
 torch's threads meet at a barrier in every parallel region, so when another process holds a core the
 descheduled thread stalls the rest: on a 2-core AMD EPYC with one busy process, SmolLM2 Q4_1 decoded
 57-76 tokens/s with 2 threads and 230-257 with 1 (idle: 206-219 and 217-226). Where no number is
-given, one decode step is timed with 1, all-but-one and all threads, interleaved, and the fastest
-median wins (BENCHMARKS.md, "int4 kernel levels, threads on a busy machine"). torch's thread count is one per process: the counts tried
-go up to its setting when the LLM is built, and the LLM leaves it at the count chosen.
+given, a burst of decode steps is timed with 1, all-but-one and all threads in turn, and the
+fastest median wins (BENCHMARKS.md, "int4 kernel levels, threads on a busy machine", and session
+22). torch's thread count is one per process: the counts tried go up to its setting when the LLM is
+built, and the LLM leaves it at the count chosen.
 
 The same probe decides, once at load, whether int4 products of 1-3 rows prefetch their weights
 (kernels/int4_common.h; 4 rows or more always do): on an Intel Xeon it took SmolLM2's four products a
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import statistics
 import time
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -113,8 +114,8 @@ def uses_int4_kernels(model) -> bool:
 
 
 def choose_prefetch(step: Callable[[], object]) -> tuple[bool, dict[bool, float]]:
-    """Whether the int4 products prefetch: SPECEE_INT4_PREFETCH if set, else the faster on `step`
-    (prefetching on a tie: what the kernels did before it was measured)."""
+    """Whether int4 products of 1-3 rows prefetch: SPECEE_INT4_PREFETCH if set, else the faster on
+    `step`, and the median step in ms of each setting timed."""
     kernels = loaded_cpu_kernels()
     forced = prefetch_setting()
     if forced is not None:
