@@ -30,13 +30,13 @@ from ..model.kernels import loaded_cpu_kernels
 from ..model.quant import Int4Linear
 
 PREFETCH_ENV = "SPECEE_INT4_PREFETCH"
-PROBE_SECONDS = 0.4  # at most about this long timing steps at load (a few rounds on a large model)
-ROUNDS = (3, 7)  # interleaved rounds per thread count: at least, at most
+PROBE_SECONDS = 0.2  # past this, no further round of timings (a probe of two options: about 0.2 s)
+ROUNDS = (3, 7)  # rounds of timings per option: at least, at most
 # Each timing runs steps back to back for at least this long. A thread that slept comes back ahead of
-# a process that spins (the scheduler credits its sleep), so single 4 ms steps interleaved with other
-# counts kept showing 2 threads fast beside a busy process (3.8 against 4.3 ms for 1) and decoding
-# then ran 76-87 tokens/s against 212 on 1 thread (SmolLM2, AMD EPYC Zen 4).
-BURST_SECONDS = 0.03
+# a process that spins (the scheduler credits its sleep, a few ms), so single 4 ms steps interleaved
+# with other counts kept showing 2 threads fast beside a busy process (3.8 against 4.3 ms for 1) and
+# decoding then ran 72-87 tokens/s against 212-235 on 1 thread (SmolLM2, AMD EPYC Zen 4).
+BURST_SECONDS = 0.02
 
 
 @dataclass
