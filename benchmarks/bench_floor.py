@@ -29,12 +29,9 @@ def streamed_bytes(llm: LLM) -> int:
     (`quant.kernel_spec`): every layer's linears and norms, the final norm and the head's ranker (or
     the head when it has none). A RefinedHead's few refined rows and the embedding's one row are left out."""
     model = llm.model
-    head = getattr(model.head, "ranker", None) or getattr(model.head, "head", model.head)
-    tensors = [model.final_norm, *kernel_spec(head)[1:4]]
-    for w in model.layers:
-        tensors += [w.attn_norm, w.mlp_norm]
-        for lin in (w.qkv, w.o, w.gate_up, w.down):  # `kv` (rows of qkv) serves skipped layers only
-            tensors += kernel_spec(lin)[1:4]
+    tensors = [model.final_norm] + [norm for layer in model.layers for norm in (layer.attn_norm, layer.mlp_norm)]
+    for lin in model.decode_linears():
+        tensors += kernel_spec(lin)[1:4]
     return sum(t.nbytes for t in tensors)
 
 

@@ -108,9 +108,7 @@ def prefetch_setting() -> bool | None:
 
 def uses_int4_kernels(model) -> bool:
     """Whether any of the model's products (the head's ranker included) runs specee's int4 kernels."""
-    linears = [lin for w in model.layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
-    linears += [getattr(model.head, "ranker", None) or getattr(model.head, "head", model.head)]
-    return any(isinstance(lin, Int4Linear) and lin.kernel is not None for lin in linears)
+    return any(isinstance(lin, Int4Linear) and lin.kernel is not None for lin in model.decode_linears())
 
 
 def choose_prefetch(step: Callable[[], object]) -> tuple[bool, dict[bool, float]]:

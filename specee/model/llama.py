@@ -250,6 +250,12 @@ class Transformer:
             return cls(cfg, tensors, torch.device(device), dtype, path, quantization, kv_cache_dtype)
         return cls(cfg, read_state_dict(path), torch.device(device), dtype, path, quantization, kv_cache_dtype)
 
+    def decode_linears(self) -> list:
+        """The products a full-depth decode token runs: every layer's (`kv`, rows of qkv, serves
+        skipped layers only) and what ranks the head (a RefinedHead's ranker, else the head)."""
+        head = getattr(self.head, "ranker", None) or getattr(self.head, "head", self.head)
+        return [lin for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [head]
+
     def resident_tensors(self) -> list[torch.Tensor]:
         """The weights held in memory (embedding unless it stays GGUF blocks, norms, linears; not the
         RoPE tables or KV cache); tensors may share a storage (a float kv is a view of qkv)."""
