@@ -104,6 +104,8 @@ def test_specee_int4_prefetch_sets_it_without_timing_and_refuses_other_values(ke
     monkeypatch.setenv("SPECEE_INT4_PREFETCH", "yes")
     with pytest.raises(ValueError, match=r"^SPECEE_INT4_PREFETCH='yes': 1 .* or 0"):
         choose_prefetch(step)
+    with pytest.raises(ValueError, match=r"^SPECEE_INT4_PREFETCH='yes'"):  # before looking for the model
+        LLM("/nonexistent/model")
 
 
 def test_a_model_with_int4_products_times_prefetching_at_load_and_a_float_one_does_not(kernel, monkeypatch, tmp_path):

@@ -28,7 +28,7 @@ from .early_exit import EarlyExitDecoding
 from .engine import DEFAULT_MAX_NUM_SEQS, Engine
 from .sequence import RequestOutput, Sequence
 from .teacher import TeacherForcedStep
-from .threads import ThreadPolicy, check_threads
+from .threads import ThreadPolicy, check_threads, prefetch_setting
 from .worker import EngineThread
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -162,6 +162,7 @@ class LLM:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a path or a Hugging Face hub id (str or Path), got {model!r}")
         threads = check_threads(threads)
+        prefetch_setting()  # a bad SPECEE_INT4_PREFETCH fails here, before any loading
         dev = check_device(device)
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(map(str, QUANTIZATIONS))}")
