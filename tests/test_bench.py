@@ -786,3 +786,15 @@ def test_cli_speed_merged(tmp_path, llm, banks, capsys):
     assert set(lossy["exit_histogram"][1:-1]) == {0}  # layer 0 (index 0) or full depth, nothing between
     assert r["identity"]["spec-ngram-n2+ee-lossless"]["all_identical"] is True
     assert lossless["speculative"]["drafts"] > 0
+
+
+def test_row_costs_time_a_gguf_file_as_stored_before_requantizing_it(tmp_path):
+    """--row-costs on a GGUF file times its own blocks first (`--quantization auto`, the path decoding
+    runs by default), then the requantized formats; the table once named int4's cost as the default's."""
+    from gguf_checkpoints import TinyGGUF, write_gguf
+    from specee.bench.speculative import AS_STORED, row_costs
+
+    path = write_gguf(tmp_path / "tiny.gguf", TinyGGUF("llama", ("Q4_K", "Q6_K"), True))
+    costs = row_costs(path, torch.device("cpu"), rows=(1, 2), context=8, repeats=1)
+    assert list(costs["ms"]) == [AS_STORED[0], "float32", "bfloat16", "int8", "int4"]
+    assert all(len(ms) == 2 and min(ms) > 0 for ms in costs["ms"].values())

@@ -7,6 +7,7 @@ their ratios to full depth and to transformers come from one run.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ..clock import device_time
@@ -85,18 +86,24 @@ def aggregate_speculative(stats: list[dict[str, Any]]) -> dict[str, Any]:
 # ---- what limits the gain: the target's cost per verified row --------------------------------------
 WEIGHT_FORMATS = (("float32", "float32", None), ("bfloat16", "bfloat16", None), ("int8", "float32", "int8"),
                   ("int4", "float32", "int4"))  # (label, dtype, quantization); integer kernels run in bfloat16
+AS_STORED = ("gguf as stored", "float32", "auto")  # a GGUF file's own blocks: the default path
 
 
 def row_costs(model_dir, device, rows: tuple[int, ...] = (1, 2, 4, 8),
-              formats: tuple[tuple[str, str, str | None], ...] = WEIGHT_FORMATS,
+              formats: tuple[tuple[str, str, str | None], ...] | None = None,
               context: int = 128, repeats: int = 9) -> dict[str, Any]:
     """Milliseconds of one target pass (all layers + LM head) over `rows` rows after `context`
-    committed tokens, per weight format: the price of verifying rows - 1 draft tokens."""
+    committed tokens, per weight format: the price of verifying rows - 1 draft tokens. A GGUF
+    file is measured first as stored (`--quantization auto`, what decoding runs by default), then
+    requantized to each of WEIGHT_FORMATS."""
     import torch
 
     from ..engine.llm import DTYPES
     from ..model.llama import Transformer
+    from ..model.resolve import is_gguf
 
+    if formats is None:
+        formats = ((AS_STORED,) if is_gguf(Path(model_dir)) else ()) + WEIGHT_FORMATS
     out: dict[str, Any] = {"context": context, "rows": list(rows), "ms": {}, "unsupported": {}}
     for name, dtype, quantization in formats:
         try:
