@@ -110,6 +110,23 @@ SPECEE_INT4_AVX512 inline __m512i unpack16(const uint8_t* p) {
   return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);  // (A | B) & C
 }
 
+// Tile t's scales s and z - 8 s in a group (szg: the group's 2 x 64 bf16), once for all its rows.
+struct TileScales {
+  __m512 s, z8;
+};
+SPECEE_INT4_AVX512 inline TileScales tile_scales(const uint16_t* szg, int t) {
+  const __m512 s = bf16x16_to_float(szg + t * 16);
+  return {s, _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_float(szg + 64 + t * 16))};
+}
+
+// One row's 16 float sums f of a tile plus a group: f + (s d) acc + (z - 8 s) ds (d, ds: the row's
+// activation step and step times sum), the combination both AVX-512 paths use, so a row's bits do
+// not depend on the path it took.
+SPECEE_INT4_AVX512 inline __m512 add_group(__m512 f, __m512i acc, const TileScales& sc, float d, float ds) {
+  const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(sc.s, _mm512_set1_ps(d)), f);
+  return _mm512_fmadd_ps(sc.z8, _mm512_set1_ps(ds), v);
+}
+
 // 1 to 4 rows x group g of one 64-output block, added into y (row r's block at y + r N).
 template <int R>
 SPECEE_INT4_AVX512 __attribute__((always_inline)) inline void group_avx512(const uint8_t* w, const uint16_t* sz,
@@ -127,15 +144,11 @@ SPECEE_INT4_AVX512 __attribute__((always_inline)) inline void group_avx512(const
         acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], u, _mm512_set1_epi32(x.q4(K, r, g * (kGroup / 4) + c)));
     }
   }
-  const uint16_t* szg = sz + g * 128;
   for (int t = 0; t < 4; ++t) {
-    const __m512 s = bf16x16_to_float(szg + t * 16);
-    const __m512 z8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_float(szg + 64 + t * 16));
+    const TileScales sc = tile_scales(sz + g * 128, t);
     for (int r = 0; r < R; ++r) {
       float* o = y + r * N + 16 * t;
-      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(x.d[r * G + g]));
-      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), sd, _mm512_loadu_ps(o));
-      _mm512_storeu_ps(o, _mm512_fmadd_ps(z8, _mm512_set1_ps(x.ds[r * G + g]), v));
+      _mm512_storeu_ps(o, add_group(_mm512_loadu_ps(o), acc[r][t], sc, x.d[r * G + g], x.ds[r * G + g]));
     }
   }
 }
@@ -146,8 +159,7 @@ SPECEE_INT4_AVX512 __attribute__((always_inline)) inline void group_avx512(const
 // every group. 8 rows on one AMD EPYC Zen 4 core, GMAC/s: 102-114 -> 146-150 with the weights in
 // cache, 77 -> 111 from memory. (One tile a pass ran 147-153 in cache and 98 from memory, too little
 // arithmetic to hide the reads; 3-4 rows gain in cache and lose from memory, so they stay group by
-// group.) Every output's float operations are the group path's, in its order, so a row's bits do
-// not depend on the path it took.
+// group.) Both paths combine each group with add_group.
 template <int R>
 SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
   constexpr int T = 2;
@@ -170,15 +182,9 @@ SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const 
           for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], u[t], xb);
         }
       }
-      const uint16_t* szg = sz + g * 128;
       for (int t = 0; t < T; ++t) {
-        const __m512 s = bf16x16_to_float(szg + (t0 + t) * 16);
-        const __m512 z8 = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_float(szg + 64 + (t0 + t) * 16));
-        for (int r = 0; r < R; ++r) {
-          const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(x.d[r * G + g]));
-          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), sd, f[r][t]);
-          f[r][t] = _mm512_fmadd_ps(z8, _mm512_set1_ps(x.ds[r * G + g]), v);
-        }
+        const TileScales sc = tile_scales(sz + g * 128, t0 + t);
+        for (int r = 0; r < R; ++r) f[r][t] = add_group(f[r][t], acc[r][t], sc, x.d[r * G + g], x.ds[r * G + g]);
       }
     }
     for (int r = 0; r < R; ++r)
