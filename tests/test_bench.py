@@ -734,6 +734,25 @@ def test_llama_cpp_peer_decodes_the_same_gguf_greedily(lookup):
     assert int(ranks.max()) < 5, (ranks.tolist(), llm.tokenizer.decode(run.token_ids))
 
 
+def test_llama_cpp_worker_can_run_without_its_extra_buffers():
+    """The prompt-lookup peer falls back to llama.cpp without its extra buffer types where a batch
+    crashes with them (an AMX Xeon, llama-cpp-python 0.3.36): the setting must reach llama.cpp's model
+    parameters, and leave the defaults of later models in the process as they were."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional extra specee[llama-cpp])")
+    from conftest import MODELS
+
+    gguf = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.exists():
+        pytest.skip(f"real model SmolLM2 not available: {gguf} is absent")
+    import llama_cpp.llama_cpp as bindings
+    from specee.bench.llama_cpp import _Decoder
+
+    default = bindings.llama_model_default_params().use_extra_bufts
+    assert _Decoder(str(gguf), 1, 64, 0, extra_buffers=False).model.model_params.use_extra_bufts is False
+    assert _Decoder(str(gguf), 1, 64, 0).model.model_params.use_extra_bufts is True
+    assert bindings.llama_model_default_params().use_extra_bufts == default
+
+
 class ScriptedDrafter:
     """Drafts a known continuation, wrong at positions 1, 4, 7, ... (for the pass oracle)."""
 

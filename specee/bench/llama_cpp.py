@@ -9,11 +9,15 @@ older llama-cpp-python build crashed on several tokens per call on the developme
 prompt processing is slower than it could be; decode tokens/s is the figure to compare. With
 `lookup` > 0 it decodes with llama.cpp's own speculation, `LlamaPromptLookupDecoding` (n-gram
 drafts from the prompt and output, that many per step), verified several tokens per call by
-`Llama.generate` with greedy sampling.
+`Llama.generate` with greedy sampling. A worker that speculates evaluates a two-token batch before
+it reports ready: llama.cpp 0.3.36 built for an Intel Xeon with AMX crashes (SIGSEGV) on batches of
+more than one token in its extra buffer types (AMX), so such a worker is started again without them
+(`use_extra_bufts=False`; plain decoding keeps them: one token a call runs) and `notes` says so.
 """
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import time
 from pathlib import Path
 
@@ -30,15 +34,30 @@ class LlamaCppPeer:
         except ImportError:
             raise BenchError("--llama-cpp needs llama-cpp-python: pip install 'specee[llama-cpp]' "
                              "(it builds llama.cpp from source: about 15 minutes on a small CPU)") from None
-        context_ = multiprocessing.get_context("spawn")
-        self._conn, theirs = context_.Pipe()
-        self._process = context_.Process(target=_serve, args=(theirs, str(gguf), threads, context, lookup),
-                                         name="specee-llama-cpp", daemon=True)
-        self._process.start()
-        status, message = self._conn.recv()
+        self.notes = ""
+        try:
+            status, message = self._start(gguf, threads, context, lookup, extra_buffers=True)
+        except EOFError:  # the worker died in its batch probe
+            self.notes = "without its extra buffer types: a batch of 2 tokens crashed with them on this CPU"
+            print(f"specee: llama.cpp's worker crashed on a 2-token batch (exit {self._process.exitcode}); "
+                  "running it without its extra buffer types (AMX, repack)", file=sys.stderr, flush=True)
+            status, message = self._start(gguf, threads, context, lookup, extra_buffers=False)
         if status != "ready":
             self.close()
             raise BenchError(f"llama.cpp could not load {gguf}: {message}")
+
+    def _start(self, gguf: Path, threads: int, context: int, lookup: int, extra_buffers: bool):
+        context_ = multiprocessing.get_context("spawn")
+        self._conn, theirs = context_.Pipe()
+        self._process = context_.Process(target=_serve, args=(theirs, str(gguf), threads, context, lookup,
+                                                              extra_buffers), name="specee-llama-cpp", daemon=True)
+        self._process.start()
+        theirs.close()  # so that a dead worker reads as EOFError here, not as a hang
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self._process.join(10)
+            raise
 
     def run(self, ids: list[int], max_new_tokens: int) -> Run:
         self._conn.send((list(ids), max_new_tokens))
@@ -52,10 +71,10 @@ class LlamaCppPeer:
         self._conn.close()
 
 
-def _serve(conn, gguf: str, threads: int, context: int, lookup: int) -> None:
+def _serve(conn, gguf: str, threads: int, context: int, lookup: int, extra_buffers: bool) -> None:
     """The worker process: load the model, then answer (ids, max_new_tokens) jobs until None."""
     try:
-        decoder = _Decoder(gguf, threads, context, lookup)
+        decoder = _Decoder(gguf, threads, context, lookup, extra_buffers)
     except Exception as e:  # noqa: BLE001 -- reported to the parent as one line
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -65,7 +84,8 @@ def _serve(conn, gguf: str, threads: int, context: int, lookup: int) -> None:
 
 
 class _Decoder:
-    def __init__(self, gguf: str, threads: int, context: int, lookup: int):
+    def __init__(self, gguf: str, threads: int, context: int, lookup: int, extra_buffers: bool = True):
+        import llama_cpp.llama_cpp as bindings  # where Llama() reads its default model parameters
         from llama_cpp import Llama
 
         draft = None
@@ -74,8 +94,22 @@ class _Decoder:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
         self.lookup = lookup
-        self.model = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=context,
-                           n_batch=512 if lookup else 1, draft_model=draft, verbose=False)
+        defaults = bindings.llama_model_default_params
+
+        def model_params():
+            params = defaults()
+            params.use_extra_bufts = extra_buffers
+            return params
+
+        bindings.llama_model_default_params = model_params  # Llama() takes no such argument
+        try:
+            self.model = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=context,
+                               n_batch=512 if lookup else 1, draft_model=draft, verbose=False)
+        finally:
+            bindings.llama_model_default_params = defaults
+        if lookup:  # verification evaluates batches: crash here, before ready, if this build cannot
+            self.model.eval([0, 0])
+            self.model.reset()
 
     def _argmax(self) -> int:
         """The last evaluated token's logits, read in place (`Llama.scores` holds them only with

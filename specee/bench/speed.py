@@ -173,8 +173,8 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
 
         context = max(len(ids) for ids, _ in fitted) + max_new_tokens + llama_cpp_lookup + 1
         for name, what, lookup in peers:
-            llama_peers[name] = LlamaCppPeer(llm.model_dir, torch.get_num_threads(), context, lookup)
-            specs.append(ConfigSpec(name, what, "llama_cpp"))
+            peer = llama_peers[name] = LlamaCppPeer(llm.model_dir, torch.get_num_threads(), context, lookup)
+            specs.append(ConfigSpec(name, f"{what}, {peer.notes}" if peer.notes else what, "llama_cpp"))
     hf_model = None
     if hf or any(s.kind == "hf_assisted" for s in specs):
         if not show_progress:
