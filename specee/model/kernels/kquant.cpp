@@ -42,8 +42,13 @@ constexpr int64_t kQ50 = 6, kQ80 = 8, kQ4K = 12, kQ6K = 14;  // GGUF type number
 constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // a tile's bytes per 256 inputs
 constexpr int64_t kQ5Bytes = 352, kQ8Bytes = 544;  // per 32 inputs
 // Q5_0 / Q8_0: blocks ahead prefetched (4 tiles' blocks: 1.4 / 2.2 KB each). Qwen2.5-0.5B's gate/up
-// (Q5_0, 6 MB) on one core, AMD EPYC: none 0.21 ms, 2 blocks 0.16, 4 0.15, 8 0.12, 16 0.13.
-constexpr int64_t kPrefetchBlocks = 8;
+// (Q5_0, 6 MB) on one core, AMD EPYC: none 0.21 ms, 2 blocks 0.16, 4 0.15, 8 0.12, 16 0.13; the same
+// from memory on 2 cores of an Intel Xeon with AMX (reads 21 GB/s): 8 blocks 385 us, 12 398, 16 294, 32 310.
+constexpr int64_t kPrefetchBlocks = 16;
+// Q4_K / Q6_K: super-blocks ahead prefetched (4 tiles': 9.2 / 13.4 KB). Qwen2.5-1.5B's gate/up (Q4_K,
+// 15.5 MB) from memory, 2 cores of that Xeon: 1 ahead 950-1085 us, 2 763, 3 772, 4 804; its decode
+// 15.6-16.0 -> 20.5-21.3 tokens/s at 2 (alternating processes). The EPYCs' own streams were measured at 1.
+constexpr int64_t kSuperBlocksAhead = 2;
 #define SPECEE_KQ_INLINE __attribute__((always_inline)) inline  // the body's parts: registers, not memory
 constexpr int kMaxRows = 4;  // rows sharing a tile's unpacking (more would spill the accumulators)
 constexpr int kGroupTiles = 4;  // tiles per group (model/quant_gguf.py GROUP) and parallel task

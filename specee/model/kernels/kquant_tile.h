@@ -130,11 +130,11 @@ SPECEE_KQ_INLINE void q4k_block(const Tiles& w, const Act& x, int64_t sb, int b,
   }
 }
 
-// An eighth of the group's next super-block (`bytes` long: at block b of this one) into the cache:
-// the hardware prefetchers alone left Qwen's Q4_K products streaming at 18 GB/s on one core (AMD
-// EPYC), 41 with this.
-SPECEE_KQ_INLINE void prefetch_next(const uint8_t* base, int64_t bytes, int b) {
-  for (int64_t i = b * bytes / 8; i < (b + 1) * bytes / 8; i += 64) __builtin_prefetch(base + bytes + i);
+// An eighth of the group's super-block kSuperBlocksAhead on (`bytes` long: at block b of this one) into
+// the cache: the hardware prefetchers alone left Qwen's Q4_K products streaming at 18 GB/s on one core
+// (AMD EPYC), 41 with the next super-block's; an Intel Xeon needed them two ahead (kquant.cpp).
+SPECEE_KQ_INLINE void prefetch_ahead(const uint8_t* base, int64_t bytes, int b) {
+  for (int64_t i = b * bytes / 8; i < (b + 1) * bytes / 8; i += 64) __builtin_prefetch(base + kSuperBlocksAhead * bytes + i);
 }
 
 // J tiles from tile j0 of a group of g (base: its first super-block), rows R, added into y (zeroed).
@@ -146,7 +146,7 @@ SPECEE_KQ_INLINE void q6k_tiles(const uint8_t* base, int64_t g, int64_t j0, cons
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < J; ++j) fs[r][j] = V::fzero();
     for (int b = 0; b < 8; ++b) {
-      prefetch_next(base, g * kQ6Bytes, b);
+      prefetch_ahead(base, g * kQ6Bytes, b);
       q6k_block<R, J>(w, x, sb, b, fs);
     }
     for (int j = 0; j < J; ++j) {  // d: after the group's 52 vectors, 32 bytes a tile
@@ -164,7 +164,7 @@ SPECEE_KQ_INLINE void q4k_tiles(const uint8_t* base, int64_t g, int64_t j0, cons
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < J; ++j) fa[r][j] = fb[r][j] = V::fzero();
     for (int b = 0; b < 8; ++b) {
-      prefetch_next(base, g * kQ4Bytes, b);
+      prefetch_ahead(base, g * kQ4Bytes, b);
       q4k_block<R, J>(w, x, sb, b, fa, fb);
     }
     for (int j = 0; j < J; ++j) {  // vector 35: d of the 16 outputs (fp16), then dmin
