@@ -38,15 +38,20 @@ class LlamaCppPeer:
         try:
             status, message = self._start(gguf, threads, context, lookup, extra_buffers=True)
         except EOFError:  # the worker died in its batch probe
-            self.notes = "without its extra buffer types: a batch of 2 tokens crashed with them on this CPU"
+            self._conn.close()
+            self.notes = "without its extra buffers (batches crash with them here)"
             print(f"specee: llama.cpp's worker crashed on a 2-token batch (exit {self._process.exitcode}); "
                   "running it without its extra buffer types (AMX, repack)", file=sys.stderr, flush=True)
-            status, message = self._start(gguf, threads, context, lookup, extra_buffers=False)
+            try:
+                status, message = self._start(gguf, threads, context, lookup, extra_buffers=False)
+            except EOFError:
+                status, message = "error", f"its worker died (exit {self._process.exitcode}) without its extra buffers too"
         if status != "ready":
             self.close()
             raise BenchError(f"llama.cpp could not load {gguf}: {message}")
 
     def _start(self, gguf: Path, threads: int, context: int, lookup: int, extra_buffers: bool):
+        """A worker process; its first message ("ready" or "error", why), or EOFError if it died first."""
         context_ = multiprocessing.get_context("spawn")
         self._conn, theirs = context_.Pipe()
         self._process = context_.Process(target=_serve, args=(theirs, str(gguf), threads, context, lookup,
@@ -61,7 +66,12 @@ class LlamaCppPeer:
 
     def run(self, ids: list[int], max_new_tokens: int) -> Run:
         self._conn.send((list(ids), max_new_tokens))
-        out, prefill, decode = self._conn.recv()
+        try:
+            out, prefill, decode = self._conn.recv()
+        except EOFError:
+            self._process.join(10)
+            raise BenchError(f"llama.cpp's worker died (exit {self._process.exitcode}) decoding "
+                             f"{len(ids)} prompt tokens") from None
         return Run(len(out), prefill, decode, len(out) - 1, out)
 
     def close(self) -> None:
