@@ -11,8 +11,10 @@ depth's tokens).
 Trying drafts again is what costs (Qwen2.5-Coder-1.5B with its 0.5B draft model, 4 requests x 64
 tokens: 0.63x of full depth's decode with drafts explored twice after losing alone), so:
 - a draft model first catches up on every token it skipped: the first drafting step after plain
-  ones is not measured (it says what switching costs, not what drafting does), and a try lasts
-  until one step is. An n-gram drafter has nothing to catch up on, but measuring its first step
+  ones is not measured (it says what switching costs, not what drafting does), nor is one whose
+  drafters run more than a token a request first (a new request's prompt: on an Intel Xeon the Qwen
+  pair's first drafting step of a request took 150-190 ms, later ones 100-105, plain ones 45, and
+  charging it to drafting lost 2 of 5 requests' drafts), and a try lasts until one step is. An n-gram drafter has nothing to catch up on, but measuring its first step
   too (a one-step try) lost on two AMD EPYCs: n-gram / full depth at 8 SmolLM2 requests 0.86-0.96x
   against 0.92-1.14x with two-step tries (cheaper tries come more often, and one lucky step flips
   the arm);
@@ -159,11 +161,11 @@ class SpeculationGate:
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step of only decoding requests emitted `tokens` in `seconds` (drafting included)."""
-        b, switched = self.current, self.on and not self.drafted_last
+        b, catching_up = self.current, self.on and (not self.drafted_last or self.catch_up_tokens > 0)
         self.drafted_last = self.on
         if b.trying and self.on:
             b.tried_tokens, b.tried_seconds = b.tried_tokens + tokens, b.tried_seconds + seconds
-        if switched:
+        if catching_up:  # what switching or a new request costs, not what drafting does
             return
         (b.spec if self.on else b.plain).add(tokens, seconds, 0.0 if b.trying else self.decay)
         if b.trying:
