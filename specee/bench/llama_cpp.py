@@ -45,7 +45,7 @@ class LlamaCppPeer:
             try:
                 status, message = self._start(gguf, threads, context, lookup, extra_buffers=False)
             except EOFError:
-                status, message = "error", f"its worker died (exit {self._process.exitcode}) without its extra buffers too"
+                status, message = "error", f"its worker died (exit {self._process.exitcode}) without them too"
         if status != "ready":
             self.close()
             raise BenchError(f"llama.cpp could not load {gguf}: {message}")
@@ -54,8 +54,8 @@ class LlamaCppPeer:
         """A worker process; its first message ("ready" or "error", why), or EOFError if it died first."""
         context_ = multiprocessing.get_context("spawn")
         self._conn, theirs = context_.Pipe()
-        self._process = context_.Process(target=_serve, args=(theirs, str(gguf), threads, context, lookup,
-                                                              extra_buffers), name="specee-llama-cpp", daemon=True)
+        args = (theirs, str(gguf), threads, context, lookup, extra_buffers)
+        self._process = context_.Process(target=_serve, args=args, name="specee-llama-cpp", daemon=True)
         self._process.start()
         theirs.close()  # so that a dead worker reads as EOFError here, not as a hang
         try:

@@ -14,10 +14,10 @@ tokens: 0.63x of full depth's decode with drafts explored twice after losing alo
   ones is not measured (it says what switching costs, not what drafting does), nor is one whose
   drafters run more than a token a request first (a new request's prompt: on an Intel Xeon the Qwen
   pair's first drafting step of a request took 150-190 ms, later ones 100-105, plain ones 45, and
-  charging it to drafting lost 2 of 5 requests' drafts), and a try lasts until one step is. An n-gram drafter has nothing to catch up on, but measuring its first step
-  too (a one-step try) lost on two AMD EPYCs: n-gram / full depth at 8 SmolLM2 requests 0.86-0.96x
-  against 0.92-1.14x with two-step tries (cheaper tries come more often, and one lucky step flips
-  the arm);
+  charging it to drafting lost 2 of 5 requests' drafts), and a try lasts until one step is. An
+  n-gram drafter has nothing to catch up on, but measuring its first step too (a one-step try) lost
+  on two AMD EPYCs: n-gram / full depth at 8 SmolLM2 requests 0.86-0.96x against 0.92-1.14x with
+  two-step tries (cheaper tries come more often, and one lucky step flips the arm);
 - the gap between tries doubles while the same arm wins, and is at least what keeps a losing
   try's excess time under `explore_share` of the steps between tries;
 - a larger batch seen for the first time starts without drafts once a smaller one has been
