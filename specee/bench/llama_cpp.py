@@ -10,9 +10,11 @@ prompt processing is slower than it could be; decode tokens/s is the figure to c
 `lookup` > 0 it decodes with llama.cpp's own speculation, `LlamaPromptLookupDecoding` (n-gram
 drafts from the prompt and output, that many per step), verified several tokens per call by
 `Llama.generate` with greedy sampling. A worker that speculates evaluates a two-token batch before
-it reports ready: llama.cpp 0.3.36 built for an Intel Xeon with AMX crashes (SIGSEGV) on batches of
-more than one token in its extra buffer types (AMX), so such a worker is started again without them
-(`use_extra_bufts=False`; plain decoding keeps them: one token a call runs) and `notes` says so.
+it reports ready: llama.cpp 0.3.36 built with GCC 12 for an Intel Xeon with AMX crashes (SIGSEGV)
+on batches of more than one token in its extra buffer types (AMX): GCC 12's `_tile_loadconfig` lets
+the compiler drop the tile configuration's stores, and `ldtilecfg` faults (BENCHMARKS.md, session
+25). Such a worker is started again without them (`use_extra_bufts=False`; plain decoding keeps them:
+one token a call runs) and `notes` says so.
 """
 from __future__ import annotations
 
