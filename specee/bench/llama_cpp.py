@@ -13,7 +13,7 @@ drafts from the prompt and output, that many per step), verified several tokens 
 it reports ready: llama.cpp 0.3.36 built with GCC 12 for an Intel Xeon with AMX crashes (SIGSEGV)
 on batches of more than one token in its extra buffer types (AMX): GCC 12's `_tile_loadconfig` lets
 the compiler drop the tile configuration's stores, and `ldtilecfg` faults (BENCHMARKS.md, session
-25). Such a worker is started again without them (`use_extra_bufts=False`; plain decoding keeps them:
+25; benchmarks/llama_cpp_tilefix.h rebuilds it right). Such a worker is started again without them (`use_extra_bufts=False`; plain decoding keeps them:
 one token a call runs) and `notes` says so.
 """
 from __future__ import annotations
@@ -43,7 +43,8 @@ class LlamaCppPeer:
             self._conn.close()
             self.notes = "without its extra buffers (batches crash with them here)"
             print(f"specee: llama.cpp's worker crashed on a 2-token batch (exit {self._process.exitcode}); "
-                  "running it without its extra buffer types (AMX, repack)", file=sys.stderr, flush=True)
+                  "running it without its extra buffer types (AMX, repack). A GCC 12 build on an AMX CPU "
+                  "does this: benchmarks/llama_cpp_tilefix.h says how to rebuild it", file=sys.stderr, flush=True)
             try:
                 status, message = self._start(gguf, threads, context, lookup, extra_buffers=False)
             except EOFError:
