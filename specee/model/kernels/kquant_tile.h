@@ -131,10 +131,11 @@ SPECEE_KQ_INLINE void q4k_block(const Tiles& w, const Act& x, int64_t sb, int b,
 }
 
 // An eighth of the group's super-block kSuperBlocksAhead on (`bytes` long: at block b of this one) into
-// the cache: the hardware prefetchers alone left Qwen's Q4_K products streaming at 18 GB/s on one core
-// (AMD EPYC), 41 with the next super-block's; an Intel Xeon needed them two ahead (kquant.cpp).
+// L2 (int4_common.h's prefetch_l2): the hardware prefetchers alone left Qwen's Q4_K products streaming
+// at 18 GB/s on one core (AMD EPYC), 41 with the next super-block's; an Intel Xeon needed them two
+// ahead (kquant.cpp).
 SPECEE_KQ_INLINE void prefetch_ahead(const uint8_t* base, int64_t bytes, int b) {
-  for (int64_t i = b * bytes / 8; i < (b + 1) * bytes / 8; i += 64) __builtin_prefetch(base + kSuperBlocksAhead * bytes + i);
+  for (int64_t i = b * bytes / 8; i < (b + 1) * bytes / 8; i += 64) specee_int4::prefetch_l2(base + kSuperBlocksAhead * bytes + i);
 }
 
 // J tiles from tile j0 of a group of g (base: its first super-block), rows R, added into y (zeroed).
@@ -189,7 +190,7 @@ SPECEE_KQ_INLINE void q32_tiles(const uint8_t* base, int64_t g, int64_t j0, cons
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = V::loadf(y + r * N + 16 * j);
   for (int64_t blk = 0; blk < K / 32; ++blk, base += bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(base + kPrefetchBlocks * bytes + i);
+    for (int64_t i = 0; i < bytes; i += 64) specee_int4::prefetch_l2(base + kPrefetchBlocks * bytes + i);
     const Tiles w{base + 64 * j0, 64 * g};
     V::I sums[R][J][H];
     for (int r = 0; r < R; ++r)
