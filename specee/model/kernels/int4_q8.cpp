@@ -43,6 +43,11 @@ float round_even(float v) {
 #endif
 }
 
+// The R rows' 64 outputs of a block at y (row r at y + r N) set to zero, for the paths that add each group into them
+void zero_rows(float* y, int R, int64_t N) {
+  for (int r = 0; r < R; ++r) std::fill_n(y + r * N, 64, 0.f);
+}
+
 // Row by row, block by block: the same scalar operations at every level (what the tests rebuild);
 // s16 (if not null): the int32 sums of q per 16 inputs (kquant.cpp's Q6_K halves). A block holding
 // NaN or Inf gets d = NaN, so its row's outputs are NaN (the engine ends that request with an
@@ -167,7 +172,7 @@ SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const 
   for (int t0 = 0; t0 < 4; t0 += T) {
     __m512 f[R][T];
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) f[r][t] = _mm512_loadu_ps(y + r * N + 16 * (t0 + t));
+      for (int t = 0; t < T; ++t) f[r][t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       if (t0 == 0) prefetch_group(w, sz, g, R);  // later passes find the block in cache
       __m512i acc[R][T];
@@ -192,12 +197,13 @@ SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const 
   }
 }
 
-// 1-4 rows group by group, so the weights stream once; more: rows_avx512. y zeroed.
+// 1-4 rows group by group, so the weights stream once; more: rows_avx512. y written.
 template <int R>
 SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
   if constexpr (R > 4) {
     rows_avx512<R>(w, sz, x, K, y, N);
   } else {
+    zero_rows(y, R, N);
     for (int64_t g = 0; g < K / kGroup; ++g) {
       prefetch_group(w, sz, g, R);
       group_avx512<R>(w, sz, x, K, g, y, N);
@@ -212,11 +218,12 @@ SPECEE_INT4_AVX2 inline __m256i unpack8(const uint8_t* p) {
 }
 
 // As block_avx512, eight outputs at a time, J such halves side by side (independent chains for few
-// rows); y zeroed, each group added into it.
+// rows); y written, each group added into it.
 template <int R, int J = (R <= 2 ? 4 : R <= 4 ? 2 : 1)>
 SPECEE_INT4_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
   const int64_t G = K / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
+  zero_rows(y, R, N);
   for (int64_t g = 0; g < G; ++g) {
     prefetch_group(w, sz, g, R);
     for (int j0 = 0; j0 < 8; j0 += J) {
@@ -250,10 +257,11 @@ SPECEE_INT4_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const Q8&
 }
 #endif  // SPECEE_X86
 
-// The same int32 sums in plain loops (any CPU); multiply, then add; y zeroed.
+// The same int32 sums in plain loops (any CPU); multiply, then add; y written.
 template <int R>
 void block_portable(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
   const int64_t G = K / kGroup;
+  zero_rows(y, R, N);
   for (int64_t g = 0; g < G; ++g) {
     const uint16_t* szg = sz + g * 128;
     for (int t = 0; t < 4; ++t) {
@@ -324,7 +332,6 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / chunks, r = u % chunks * kMaxRows, R = std::min<int64_t>(kMaxRows, M - r);
-      for (int64_t i = r; i < r + R; ++i) std::fill_n(out + i * N + b * 64, 64, 0.f);  // every path adds into it
       const Q8 rows{q.data() + r * K, d.data() + r * G, ds.data() + r * G};
       kRows[R](level, w + b * (K / 4) * 128, sz + b * G * 128, rows, K, out + r * N + b * 64, N);
     }
