@@ -36,8 +36,16 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
+// Weights streamed ahead of the arithmetic go to L2 (prefetcht1), not L1: on the Intel Xeon with AMX
+// (2 cores, KVM) perf put half of the 4-row K-quant product's samples on the instruction after a
+// `prefetcht0`, stalled waiting for an L1 fill buffer; into L2 the loads find them 14 cycles away and
+// the fill buffers stay free for the loads themselves. Qwen2.5-1.5B Q4_K_M, alternating builds: one
+// row 45.7-47.1 -> 41.1-42.7 ms, 4 rows 56.8-59.6 -> 53.5-56.0; decode 21.6 -> 24.8 tokens/s (floor
+// fraction 0.76 -> 0.93). Not yet measured on the AMD EPYCs.
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
 // A group's weight bytes (kGroup / 4 x 128) and scales (2 x 64 bf16), kPrefetchGroups groups past
-// group g of a block, into the cache: a thread's blocks are contiguous, so this runs into its next
+// group g of a block, into L2: a thread's blocks are contiguous, so this runs into its next
 // block. Without it the int4 products streamed at 10-17 GB/s on an Intel Xeon whose two cores read
 // 23 (SmolLM2's four products per layer 157 -> 110 us; 8 groups ahead was slower on small products).
 // For a few rows it depends on the CPU's own prefetchers (an AMD EPYC Zen 4 decoded 1.26x faster
@@ -46,14 +54,6 @@ inline float bf16_to_float(uint16_t b) {
 // always do (that Zen 4, 3072 x 576 from memory: 1 / 2 / 4 / 8 rows 46.0 / 50.2 / 55.0 / 101.7 us
 // with, 35.8 / 39.8 / 53.9 / 122.2 without).
 constexpr int64_t kPrefetchGroups = 4;
-
-// Weights streamed ahead of the arithmetic go to L2 (prefetcht1), not L1: on the Intel Xeon with AMX
-// (2 cores, KVM) perf put half of the 4-row K-quant product's samples on the instruction after a
-// `prefetcht0`, stalled waiting for an L1 fill buffer; into L2 the loads find them 14 cycles away and
-// the fill buffers stay free for the loads themselves. Qwen2.5-1.5B Q4_K_M, alternating builds: one
-// row 45.7-47.1 -> 41.1-42.7 ms, 4 rows 56.8-59.6 -> 53.5-56.0; decode 21.6 -> 24.8 tokens/s (floor
-// fraction 0.76 -> 0.93). Not yet measured on the AMD EPYCs.
-inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 constexpr int kAlwaysPrefetchRows = 4;
 inline std::atomic<bool> g_prefetch{true};
 inline void prefetch_group(const uint8_t* w, const uint16_t* sz, int64_t g, int rows) {
