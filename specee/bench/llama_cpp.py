@@ -13,8 +13,8 @@ drafts from the prompt and output, that many per step), verified several tokens 
 it reports ready: llama.cpp 0.3.36 built with GCC 12 for an Intel Xeon with AMX crashes (SIGSEGV)
 on batches of more than one token in its extra buffer types (AMX): GCC 12's `_tile_loadconfig` lets
 the compiler drop the tile configuration's stores, and `ldtilecfg` faults (BENCHMARKS.md, session
-25; benchmarks/llama_cpp_tilefix.h rebuilds it right). Such a worker is started again without them (`use_extra_bufts=False`; plain decoding keeps them:
-one token a call runs) and `notes` says so.
+25; benchmarks/llama_cpp_tilefix.h rebuilds it right). Such a worker is started again without
+them (`use_extra_bufts=False`; plain decoding keeps them: one token a call runs) and `notes` says so.
 """
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ float round_even(float v) {
 #endif
 }
 
-// The R rows' 64 outputs of a block at y (row r at y + r N) set to zero, for the paths that add each group into them
+// The R rows' 64 outputs of a block at y (row r at y + r N) set to zero, for the paths that add
+// each group into them
 void zero_rows(float* y, int R, int64_t N) {
   for (int r = 0; r < R; ++r) std::fill_n(y + r * N, 64, 0.f);
 }

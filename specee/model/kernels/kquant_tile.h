@@ -135,7 +135,8 @@ SPECEE_KQ_INLINE void q4k_block(const Tiles& w, const Act& x, int64_t sb, int b,
 // at 18 GB/s on one core (AMD EPYC), 41 with the next super-block's; an Intel Xeon needed them two
 // ahead (kquant.cpp).
 SPECEE_KQ_INLINE void prefetch_ahead(const uint8_t* base, int64_t bytes, int b) {
-  for (int64_t i = b * bytes / 8; i < (b + 1) * bytes / 8; i += 64) specee_int4::prefetch_l2(base + kSuperBlocksAhead * bytes + i);
+  for (int64_t i = b * bytes / 8; i < (b + 1) * bytes / 8; i += 64)
+    specee_int4::prefetch_l2(base + kSuperBlocksAhead * bytes + i);
 }
 
 // J tiles from tile j0 of a group of g (base: its first super-block), rows R, added into y (zeroed).
