@@ -1,13 +1,16 @@
 """Tokenizer, chat template and incremental detokenization for a checkpoint directory or GGUF file.
 
 Wraps the `tokenizers` library (the same `tokenizer.json` transformers uses; for a GGUF, the
-tokenizer transformers converts from its metadata) and renders the Jinja chat template the way
+tokenizer transformers converts from its metadata, stored once converted) and renders the Jinja chat template the way
 transformers does.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.metadata
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,8 @@ from typing import Any
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from .cache_dir import default_cache_dir
 
 
 def _token_text(value: Any) -> str | None:
@@ -129,14 +134,47 @@ def _read_directory(model_dir: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:
 def _read_gguf(path: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:
     """The tokenizer transformers converts from a GGUF's metadata (vocabulary, merges, pre-tokenizer,
     special tokens, chat template): the same conversion `AutoTokenizer.from_pretrained(gguf_file=)` runs.
-    Kept for a couple of files: the conversion takes seconds, and a draft's tokenizer is read twice
-    (checked against the target's before any weights load, then by the drafter)."""
+    The conversion (4-5 s with transformers' import, SmolLM2 on an Intel Xeon) runs once per file:
+    its result is stored under the cache directory (`gguf_tokenizer_cache`) and read back in
+    milliseconds; kept in memory too, as a draft's tokenizer is read twice (checked against the
+    target's before any weights load, then by the drafter)."""
     stat = path.stat()
-    return _convert_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
+    return _cached_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+def gguf_tokenizer_cache(path: Path, mtime_ns: int, size: int) -> Path:
+    """Where the tokenizer converted from the GGUF at `path` is stored: keyed by the file (path, size,
+    modification time) and by the transformers and tokenizers versions that convert and read it."""
+    versions = []
+    for package in ("transformers", "tokenizers"):
+        try:
+            versions.append(importlib.metadata.version(package))
+        except importlib.metadata.PackageNotFoundError:
+            versions.append("-")
+    key = hashlib.sha256(json.dumps([str(path), size, mtime_ns, *versions]).encode()).hexdigest()[:20]
+    return default_cache_dir() / "tokenizers" / f"{path.stem}-{key}.json"
 
 
 @functools.lru_cache(maxsize=2)
-def _convert_gguf(path: Path, _mtime_ns: int, _size: int) -> tuple[HFTokenizer, dict[str, Any], Any]:
+def _cached_gguf(path: Path, mtime_ns: int, size: int) -> tuple[HFTokenizer, dict[str, Any], Any]:
+    stored = gguf_tokenizer_cache(path, mtime_ns, size)
+    try:
+        saved = json.loads(stored.read_text())
+        return HFTokenizer.from_str(saved["tokenizer"]), saved["specials"], saved["chat_template"]
+    except Exception:  # absent, unreadable or damaged (tokenizers raises a bare Exception): convert again
+        pass
+    tok, specials, template = _convert_gguf(path)
+    try:  # best effort: a read-only cache only costs the next run the conversion again
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        partial = stored.with_name(f"{stored.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"tokenizer": tok.to_str(), "specials": specials, "chat_template": template}))
+        os.replace(partial, stored)  # whole or not at all, for a concurrent reader
+    except OSError:
+        pass
+    return tok, specials, template
+
+
+def _convert_gguf(path: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:
     try:
         from transformers import AutoTokenizer
     except ImportError:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache_dir import default_cache_dir
 from ..drafters.base import Drafter, check_same_tokenizer
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NGramDrafter
@@ -95,12 +96,6 @@ def check_draft_tokenizers(tokenizer: Tokenizer, model_dir: Path, drafts: list[s
     for draft in drafts:
         draft_dir = resolve_model(draft, what="draft model")
         check_same_tokenizer(tokenizer, Tokenizer(draft_dir), model_dir, draft_dir)
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("SPECEE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specee")
-    return Path(root)
 
 
 def merged_config(config: EarlyExitConfig, speculative_config: dict) -> EarlyExitConfig:

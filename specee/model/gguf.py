@@ -1,8 +1,8 @@
 """Reading GGUF checkpoints (llama.cpp's format): config from the metadata, tensors dequantized.
 
-The file is memory-mapped with `gguf.GGUFReader` and every tensor is dequantized with
-`gguf.quants.dequantize` into float32, then renamed to the Hugging Face names the
-Transformer constructor takes. Two llama.cpp conventions are undone on the way:
+The header is read by gguf_header.py (tensors as gguf's ReaderTensors, memory-mapped), every
+tensor is dequantized with `gguf.quants.dequantize` into float32, then renamed to the Hugging Face
+names the Transformer constructor takes. Two llama.cpp conventions are undone on the way:
 
 * names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight` (`gguf_tensor_map`);
 * llama-architecture files store the Q and K projections with their rows permuted per head
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from .config import ModelConfig, UnsupportedModelError
 from .gguf_blocks import GGUFWeight, all_finite
+from .gguf_header import Header
 from .weights import CheckpointError
 
 # GGUF `general.architecture` -> the transformers class name specee's ModelConfig uses
@@ -60,9 +62,9 @@ def _supported_types() -> frozenset:
 class GGUFFile:
     """What specee reads of a GGUF file: its scalar and string metadata (arrays such as the vocabulary
     left out), its tensors (gguf's ReaderTensor, data memory-mapped) and where their data starts.
-    Kept in place of gguf's reader, whose parsed vocabulary (SmolLM2: ~250k numpy views and ~285k
-    dicts) would otherwise live as long as the cache: a million objects that every full collection
-    of Python's collector walked (0.2-0.3 s pauses in a server's decode loop), read by no one."""
+    No parsed vocabulary is kept (gguf's reader made SmolLM2's ~250k numpy views and ~285k dicts, a
+    million objects that every full collection of Python's collector walked: 0.2-0.3 s pauses in a
+    server's decode loop)."""
 
     metadata: dict[str, Any]
     tensors: list
@@ -81,18 +83,15 @@ def open_gguf(path: str | Path) -> GGUFFile:
 @functools.lru_cache(maxsize=4)
 def _open_gguf(path: Path, _mtime_ns: int, _size: int) -> GGUFFile:
     try:
-        from gguf import GGUFReader, GGUFValueType
+        import gguf  # noqa: F401  (tensor types and dequantization)
     except ImportError:
         raise ImportError("reading GGUF files needs the gguf package: pip install 'specee[gguf]'") from None
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
+        header = Header(path)
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error) as e:
         detail = " ".join(str(e).split()) or type(e).__name__
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt: {detail})") from None
-    metadata = {key: field.contents() for key, field in reader.fields.items()
-                if not (field.types and field.types[0] == GGUFValueType.ARRAY)}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return GGUFFile(metadata, list(reader.tensors), reader.data_offset, None if tokens is None else len(tokens.data))
+    return GGUFFile(header.metadata, header.tensors, header.data_offset, header.array_lengths.get("tokenizer.ggml.tokens"))
 
 
 def config_from_gguf(gguf_file: GGUFFile, source: str | Path) -> ModelConfig:

@@ -4,6 +4,7 @@ groups without a float round trip."""
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,15 +75,28 @@ class GGUFWeight:
         return None if self.qtype in (T.F32, T.F16, T.BF16) else "int8"
 
 
+CHUNK_BLOCKS = 1 << 12  # blocks dequantized at a time (their floats and gguf's temporaries stay in an L2)
 _GGUF_QUANTS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
 def _dequantize_blocks(qtype, data: np.ndarray) -> np.ndarray:
-    """gguf.quants' dequantization of `qtype` applied to all blocks of `data` at once: float32 [blocks, block]."""
+    """gguf.quants' dequantization of `qtype` applied to all blocks of `data`: float32 [blocks, block],
+    CHUNK_BLOCKS at a time on the torch threads (blocks are independent, so the values are the same;
+    whole-tensor passes through gguf's temporaries took Qwen2.5-Coder-1.5B's Q6_K head 5.8 s)."""
     import gguf.quants
 
-    size = gguf.quants.GGML_QUANT_SIZES[qtype][1]
-    return getattr(gguf.quants, qtype.name).dequantize_blocks(np.ascontiguousarray(data).reshape(-1, size))
+    block, size = gguf.quants.GGML_QUANT_SIZES[qtype]
+    blocks = np.ascontiguousarray(data).reshape(-1, size)
+    kind = getattr(gguf.quants, qtype.name)
+    out = np.empty((len(blocks), block), np.float32)
+
+    def run(start: int) -> None:
+        out[start:start + CHUNK_BLOCKS] = kind.dequantize_blocks(blocks[start:start + CHUNK_BLOCKS])
+
+    starts = range(0, len(blocks), CHUNK_BLOCKS)
+    with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(starts)))) as pool:
+        list(pool.map(run, starts))
+    return out
 
 
 # each block's float16 scale fields (d, and m / dmin where the type has them): the rest of a block
@@ -107,12 +121,48 @@ def all_finite(qtype, data: np.ndarray) -> bool:
     return bool(np.isfinite(dequantize(data, qtype)).all())
 
 
+# Where each block's codes sit (ggml-quants.c's dequantize_row_*; tests/test_gguf_codes.py checks
+# every type against gguf's own dequantization): byte offsets of the quants in a block.
+_Q4_NIBBLES = {"Q4_0": 2, "Q4_1": 4}  # 16 bytes: input j low nibble, input j + 16 high
+
+
+def block_codes(w: GGUFWeight) -> np.ndarray:
+    """The unsigned codes uint8 [N, K] of w's blocks, read from their bits in integer arithmetic:
+    Q4_0 / Q4_1 / Q4_K 0..15, Q5_0 0..31, Q6_K 0..63, Q8_0 the int8 plus 128. (gguf's float
+    dequantization with unit scales gave the same codes at 10x the time: 15 s of Qwen2.5-Coder-1.5B's
+    load on an Intel Xeon.)"""
+    N, K = w.shape
+    from gguf.quants import GGML_QUANT_SIZES
+
+    size = GGML_QUANT_SIZES[w.qtype][1]
+    b = np.ascontiguousarray(w.data).reshape(-1, size)
+    name = w.qtype.name
+    if name in _Q4_NIBBLES:
+        qs = b[:, _Q4_NIBBLES[name]:][:, :16]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=1)
+    elif name == "Q4_K":  # 4 runs of 32 bytes: inputs 64 j + l low nibble, 64 j + 32 + l high
+        qs = b[:, 16:144].reshape(-1, 4, 1, 32)
+        codes = np.concatenate([qs & 15, qs >> 4], axis=2)
+    elif name == "Q5_0":  # a 32-bit word of 5th bits, then Q4_0's nibbles
+        high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little") << 4
+        qs = b[:, 6:22]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=1) | high
+    elif name == "Q6_K":  # two halves of 128: ql 64 bytes, qh 32 bytes; 4 runs of 32 inputs each
+        ql = b[:, :128].reshape(-1, 2, 1, 2, 32)  # half, -, run pair (l, l + 32), l
+        qh = b[:, 128:192].reshape(-1, 2, 1, 1, 32)
+        low = np.concatenate([ql & 15, ql >> 4], axis=2)  # half, nibble, pair, l: run 2 nibble + pair
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8).reshape(2, 2, 1))) & 3  # run r: bits 2 r, 2 r + 1
+        codes = low | high << 4
+    elif name == "Q8_0":
+        codes = b[:, 2:34] ^ np.uint8(128)
+    else:
+        raise ValueError(f"{name} blocks have no integer codes here (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0 do)")
+    return np.ascontiguousarray(codes).reshape(N, K)
+
+
 def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0 / Q4_1 / Q4_K blocks as int4 groups of 32, without a float round trip of the weights:
     (q uint8 [N, K], scales, zeros float32 [N, K // 32]) with W = (q - 8) * scale + zero.
-
-    The 4-bit codes are gguf's own: gguf.quants dequantizes a copy of the blocks whose scales are
-    set to 1 and mins to 0, which yields the codes exactly (no nibble order re-derived here).
       Q4_0: W = d (q - 8)              -> scale d,      zero 0
       Q4_1: W = d q + m                -> scale d,      zero m + 8 d
       Q4_K: W = d sc_j q - dmin m_j    -> scale d sc_j, zero 8 d sc_j - dmin m_j  (6-bit sc_j, m_j per 32)
@@ -122,30 +172,23 @@ def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     from gguf.quants import Q4_K, GGML_QUANT_SIZES
 
     N, K = w.shape
-    block, size = GGML_QUANT_SIZES[w.qtype]
+    size = GGML_QUANT_SIZES[w.qtype][1]
     blocks = np.ascontiguousarray(w.data).reshape(-1, size)
     f16 = lambda a: a.view(np.float16).astype(np.float32).reshape(N, -1)  # noqa: E731
-    unit = blocks.copy()
-    unit[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)  # d = 1
     if w.qtype == T.Q4_0:
         scales, zeros = f16(blocks[:, 0:2]), None
-        codes = _dequantize_blocks(w.qtype, unit) + 8
     elif w.qtype == T.Q4_1:
         d, m = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
-        unit[:, 2:4] = 0  # m = 0
         scales, zeros = d, m + 8 * d
-        codes = _dequantize_blocks(w.qtype, unit)
     elif w.qtype == T.Q4_K:
         d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
         sc, m = (a.astype(np.float32).reshape(N, -1, 8) for a in Q4_K.get_scale_min(blocks[:, 4:16]))
         scales = (d.reshape(N, -1, 1) * sc).reshape(N, -1)
         zeros = (8 * d.reshape(N, -1, 1) * sc - dmin.reshape(N, -1, 1) * m).reshape(N, -1)
-        unit[:, 2:4] = 0  # dmin = 0
-        unit[:, 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)  # every sc_j = 1, m_j = 0
-        codes = _dequantize_blocks(w.qtype, unit)
     else:
         raise ValueError(f"{w.qtype.name} blocks are not int4 groups (only Q4_0, Q4_1, Q4_K are)")
-    q = torch.from_numpy(codes.reshape(N, K).astype(np.uint8))
+    codes = block_codes(w)
+    q = torch.from_numpy(codes)
     scales = torch.from_numpy(np.ascontiguousarray(scales, np.float32))
     zeros = torch.zeros_like(scales) if zeros is None else torch.from_numpy(np.ascontiguousarray(zeros, np.float32))
     return q, scales, zeros

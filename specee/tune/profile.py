@@ -29,7 +29,7 @@ class ProfileError(ValueError):
 
 
 def profile_dir() -> Path:
-    from ..engine.llm import default_cache_dir
+    from ..cache_dir import default_cache_dir
 
     return Path(os.environ.get(DIR_ENV) or default_cache_dir() / "tune").expanduser()
 
