@@ -132,8 +132,9 @@ def test_chunked_repack_equals_whole(name, monkeypatch):
     w = random_weight(name, rows=336, cols=512, seed=2)  # 21 tiles: a last group of one tile
     whole, rows = quant_gguf.interleave(quant_gguf.repack(w), 100, int(w.qtype))
     monkeypatch.setattr(quant_gguf, "CHUNK_WEIGHTS", 64 * 512)  # one group of 4 tiles a chunk
-    chunked, chunk_rows = quant_gguf.tile_blocks(w, 100)
-    np.testing.assert_array_equal(chunked, whole)
+    pieces, chunk_rows = quant_gguf.tile_blocks(w, 100)
+    assert len(pieces) == 6  # 336 rows, 64 a chunk
+    np.testing.assert_array_equal(np.concatenate(pieces), whole)
     assert chunk_rows == rows
 
 
@@ -171,3 +172,19 @@ def test_gguf_tokenizer_is_converted_once_then_read_back(tmp_path, monkeypatch):
     assert tk.Tokenizer(SMOLLM2).encode(texts[0]) == converted.encode(texts[0])
     assert json.loads(stored[0].read_text())["chat_template"] == converted.chat_template
     tk._cached_gguf.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["Q6_K", "Q8_0"])
+def test_ranker_codes_by_rows_equal_whole(name):
+    from specee.model.quant import Int8Linear, int4_codes_from_float, int4_codes_of, linear_from_parts
+
+    w = random_weight(name, rows=160, cols=512, seed=3)
+    size = GGML_QUANT_SIZES[w.qtype][1]
+    field = slice(208, 210) if name == "Q6_K" else slice(0, 2)
+    w.data.reshape(-1, size)[:, field] = np.frombuffer(np.float16(0.02).tobytes(), np.uint8)
+    heads = [linear_from_parts([w], None, "auto", torch.device("cpu"), torch.float32),
+             Int8Linear.from_float(w.dequantize())]
+    for head in heads:
+        whole = int4_codes_from_float(head.dequantize())
+        by_rows = int4_codes_of(head, weights_at_a_time=37 * 512)  # chunks of 37 rows, a short last one
+        assert all(torch.equal(a, b) for a, b in zip(whole, by_rows)), type(head).__name__

@@ -313,7 +313,7 @@ class RefinedHead:
         ranker = None
         wider = isinstance(head, Int8Linear) and head.qweight.device.type == "cpu" or isinstance(head, KQuantLinear)
         if wider and head.in_features % 32 == 0 and head.out_features % 16 == 0:
-            ranker = Int4Linear.from_float(head.dequantize())
+            ranker = Int4Linear(*int4_codes_of(head), INT4_GROUP)
         return cls(head, ranker)
 
 
@@ -346,6 +346,16 @@ def int4_codes_from_float(weight: torch.Tensor, group: int = INT4_GROUP) -> tupl
     zeros = (lo + 8 * scales).to(KERNEL_DTYPE).float()
     q = torch.round((w - zeros.unsqueeze(-1)) / scales.unsqueeze(-1) + 8).clamp(0, 15)
     return q.to(torch.uint8).view(N, K), scales, zeros
+
+
+def int4_codes_of(lin: Linear, weights_at_a_time: int = 1 << 20) -> tuple[torch.Tensor, ...]:
+    """int4_codes_from_float of lin's dequantized weight, a few rows at a time (each row's groups are
+    its own, so the codes are the same): Qwen2.5-Coder-1.5B's head as a whole, 0.9 GB of float32,
+    took 3.4 s of its load on an Intel Xeon."""
+    N, K = lin.out_features, lin.in_features
+    step = max(1, weights_at_a_time // K)
+    chunks = [int4_codes_from_float(lin.rows(torch.arange(r, min(r + step, N)))) for r in range(0, N, step)]
+    return tuple(torch.cat([c[i] for c in chunks]) for i in range(3))
 
 
 # ---- building a linear from a checkpoint's parts ----------------------------------------------

@@ -113,8 +113,9 @@ def interleave(blocks: np.ndarray, at: int, qtype: int) -> tuple[np.ndarray, lis
     return np.concatenate(out), rows
 
 
-def tile_blocks(w: GGUFWeight, at: int) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
-    """`interleave(repack(w), at, ...)`, a few groups of tiles at a time on the torch threads: each
+def tile_blocks(w: GGUFWeight, at: int) -> tuple[list[np.ndarray], list[tuple[int, int, int, int]]]:
+    """`interleave(repack(w), at, ...)` as pieces to concatenate, a few groups of tiles at a time on
+    the torch threads: each
     chunk's temporaries stay in cache (whole-matrix passes took Qwen2.5-Coder-1.5B's load 9 s on an
     Intel Xeon), and numpy releases the GIL in them. Groups never straddle chunks, so the bytes are
     the same."""
@@ -129,7 +130,7 @@ def tile_blocks(w: GGUFWeight, at: int) -> tuple[np.ndarray, list[tuple[int, int
         out.append(blocks)
         rows += chunk_rows
         at += blocks.size
-    return np.concatenate(out), rows
+    return out, rows
 
 
 class KQuantLinear(_KernelLinear):
@@ -143,12 +144,11 @@ class KQuantLinear(_KernelLinear):
                                     "and one input width, a multiple of their blocks (256 or 32)")
         self.parts, self.bias, self.kernel = parts, bias, kernel
         self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
-        packed, tiles, offset = [], [], 0
+        packed, tiles = [], []
         for p in parts:
-            blocks, rows = tile_blocks(p, offset)
-            packed.append(blocks)
+            pieces, rows = tile_blocks(p, sum(b.size for b in packed))
+            packed += pieces
             tiles += rows
-            offset += blocks.size
         self.packed = torch.from_numpy(np.concatenate(packed))
         self.tiles = torch.tensor(tiles, dtype=torch.int64)
         kernel.kquant_check(self.packed, self.tiles, self.in_features)  # once here, not in every product
