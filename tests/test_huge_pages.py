@@ -70,3 +70,14 @@ def test_the_default_paths_streamed_weights_and_kv_pool_are_advised(gguf_smollm2
         assert all(advised(t.data_ptr()) for t in lin.tensors())
     assert all(advised(t.data_ptr()) for t in model.head.tensors())
     assert advised(gguf_smollm2.engine.kv.k.data_ptr()) and advised(gguf_smollm2.engine.kv.v.data_ptr())
+
+
+@linux_thp
+def test_tensors_already_there_are_not_moved():
+    there = huge_pages.empty((5000,), torch.float32, torch.device("cpu")).fill_(3.0)
+    elsewhere = torch.full((5000,), 4.0)
+    assert huge_pages.on_huge_pages(there) and not huge_pages.on_huge_pages(elsewhere)
+    ptr = there.data_ptr()
+    huge_pages.move_to_huge_pages([there, elsewhere])
+    assert there.data_ptr() == ptr and bool((there == 3.0).all())  # left in place
+    assert huge_pages.on_huge_pages(elsewhere) and advised(elsewhere.data_ptr()) and bool((elsewhere == 4.0).all())

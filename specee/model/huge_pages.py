@@ -14,12 +14,23 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import weakref
 
 import torch
 
 HUGE_PAGE = 2 << 20
 CHUNK = 64 << 20  # weights are moved a chunk at a time: the peak is one chunk more than the model
 ALIGN = 64  # each storage starts on a cache line (and on its element size)
+
+
+_AREAS: list[tuple[int, int, weakref.ref]] = []  # advised areas: first and end address, their mapping
+
+
+def on_huge_pages(t: torch.Tensor) -> bool:
+    """Whether t's storage lies in an area `advised_bytes` made (and that area is alive)."""
+    _AREAS[:] = [a for a in _AREAS if a[2]() is not None]
+    ptr = t.untyped_storage().data_ptr()
+    return any(first <= ptr < end for first, end, _ in _AREAS)
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -36,6 +47,7 @@ def advised_bytes(nbytes: int) -> torch.Tensor:
     # pages): untouched, so no 4 KiB page is in yet
     area = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(area, dtype=torch.uint8)  # keeps `area` alive as long as any view lives
+    _AREAS.append((whole.data_ptr(), whole.data_ptr() + len(area), weakref.ref(area)))
     start = -whole.data_ptr() % HUGE_PAGE
     try:
         area.madvise(mmap.MADV_HUGEPAGE, start, size)
@@ -52,12 +64,13 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
-    """Move the storage behind each CPU tensor onto advised pages, in place (`Tensor.set_`): every
+    """Move the storage behind each CPU tensor onto advised pages, in place (`Tensor.set_`; those there
+    already stay): every
     holder of these tensor objects follows, tensors sharing a storage keep sharing it, and nothing
     else changes (same values, shapes and strides). Call it before anything keeps a raw pointer."""
     storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for t in tensors:
-        if t.device.type == "cpu" and t.numel():
+        if t.device.type == "cpu" and t.numel() and not on_huge_pages(t):
             s = t.untyped_storage()
             storages.setdefault(s.data_ptr(), (s, []))[1].append(t)
     chunk: list[tuple[torch.UntypedStorage, list[torch.Tensor]]] = []
