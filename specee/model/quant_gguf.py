@@ -43,19 +43,31 @@ def kernel_for(parts: list, device: torch.device):
     return kernel if kernel is not None and ACTIVATIONS[kernel.int4_activations()] == "int8" else None
 
 
+def _words(x: np.ndarray, word: int) -> np.ndarray:
+    """x [..., word] uint8 as one unsigned integer per `word` bytes [...] (the same bytes), so the
+    transposes below move 2- or 4-byte elements instead of bytes (4x faster in numpy)."""
+    return np.ascontiguousarray(x).view(f"u{word}")[..., 0]
+
+
+def _bytes(words: np.ndarray, *shape: int) -> np.ndarray:
+    return np.ascontiguousarray(words).view(np.uint8).reshape(shape)
+
+
 def _nibbles(codes: np.ndarray) -> np.ndarray:
     """Low 4 bits as [N/16, K/32, 4 vectors x 64 B]: vector a, lane o, byte e = inputs 8 a + e of
     the block (low nibble) and + 4 (high nibble). (K-quants: 8 of these blocks a super-block.)"""
     N, K = codes.shape
-    v = (codes & 15).reshape(N // TILE, TILE, K // 32, 4, 2, 4)  # t, o, b, a, j, e
-    return (v[..., 0, :] | v[..., 1, :] << 4).transpose(0, 2, 3, 1, 4).reshape(N // TILE, K // 32, 256)
+    v = codes.reshape(N // TILE, TILE, K // 32, 4, 2, 4)  # t, o, b, a, j, e
+    pairs = _words(v[..., 0, :] & 15 | v[..., 1, :] << 4, 4)  # t, o, b, a (the uint8 shift drops high bits)
+    return _bytes(pairs.transpose(0, 2, 3, 1), N // TILE, K // 32, 256)
 
 
 def _quads(x: np.ndarray) -> np.ndarray:
     """Per-input values uint8 [N, K] as [N/16, K/32, 8 vectors x 64 B]: vector C, lane o, byte e =
     input 4 C + e of the block."""
     N, K = x.shape
-    return x.reshape(N // TILE, TILE, K // 32, 8, 4).transpose(0, 2, 3, 1, 4).reshape(N // TILE, K // 32, 512)
+    quads = _words(x.reshape(N // TILE, TILE, K // 32, 8, 4), 4)  # t, o, b, C
+    return _bytes(quads.transpose(0, 2, 3, 1), N // TILE, K // 32, 512)
 
 
 def _super(blocks: np.ndarray) -> np.ndarray:
@@ -67,7 +79,8 @@ def _lanes(x: np.ndarray, word: int) -> np.ndarray:
     """Per-(output, block) bytes [N, S, n] as [N/16, S, n x 16]: the n / word words in turn, each as
     16 lanes (outputs) of `word` bytes."""
     N, S, n = x.shape
-    return x.reshape(N // TILE, TILE, S, n // word, word).transpose(0, 2, 3, 1, 4).reshape(N // TILE, S, -1)
+    words = _words(x.reshape(N // TILE, TILE, S, n // word, word), word)  # t, o, s, w
+    return _bytes(words.transpose(0, 2, 3, 1), N // TILE, S, n * TILE)
 
 
 def repack(w: GGUFWeight) -> np.ndarray:
@@ -91,8 +104,8 @@ def repack(w: GGUFWeight) -> np.ndarray:
         parts = [_super(_nibbles(codes)), _lanes(blocks[..., 4:16], 4), _lanes(blocks[..., 0:4], 2)]  # d's, then dmin's
     elif w.qtype == T.Q6_K:
         hi = (codes >> 4).reshape(N // TILE, TILE, K // SUPER, 8, 2, 4, 4)  # t, o, sb, b, h, cc, e
-        hi = sum(hi[..., cc, :] << (2 * cc) for cc in range(4)).astype(np.uint8)  # t, o, sb, b, h, e
-        parts = [_super(_nibbles(codes)), hi.transpose(0, 2, 3, 4, 1, 5).reshape(N // TILE, K // SUPER, 1024),
+        hi = _words(hi[..., 0, :] | hi[..., 1, :] << 2 | hi[..., 2, :] << 4 | hi[..., 3, :] << 6, 4)  # t, o, sb, b, h
+        parts = [_super(_nibbles(codes)), _bytes(hi.transpose(0, 2, 3, 4, 1), N // TILE, K // SUPER, 1024),
                  _lanes(blocks[..., 192:208], 4), _lanes(blocks[..., 208:210], 2)]
     return np.concatenate(parts, axis=-1)
 
