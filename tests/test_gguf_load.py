@@ -1,7 +1,7 @@
 """Loading a GGUF quickly, with the same results as the slow ways it replaced: the header read by
 model/gguf_header.py against gguf's GGUFReader; block codes read from their bits against gguf's
-dequantization of unit-scale blocks; dequantization and K-quant repacking in chunks against whole
-tensors; the converted GGUF tokenizer read back from its cache file against the conversion."""
+dequantization of unit-scale blocks; dequantization in chunks against whole tensors; the C++ K-quant
+repack against the numpy layout; the converted GGUF tokenizer read back from its cache file."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 from gguf_checkpoints import TinyGGUF, write_gguf  # noqa: E402
-from specee.model import gguf_blocks, quant_gguf  # noqa: E402
+from specee.model import gguf_blocks  # noqa: E402
 from specee.model.gguf_blocks import GGUFWeight, block_codes  # noqa: E402
 from specee.model.gguf_header import Header  # noqa: E402
 
@@ -128,14 +128,25 @@ def test_chunked_dequantization_equals_whole(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
-def test_chunked_repack_equals_whole(name, monkeypatch):
-    w = random_weight(name, rows=336, cols=512, seed=2)  # 21 tiles: a last group of one tile
-    whole, rows = quant_gguf.interleave(quant_gguf.repack(w), 100, int(w.qtype))
-    monkeypatch.setattr(quant_gguf, "CHUNK_WEIGHTS", 64 * 512)  # one group of 4 tiles a chunk
-    pieces, chunk_rows = quant_gguf.tile_blocks(w, 100)
-    assert len(pieces) == 6  # 336 rows, 64 a chunk
-    np.testing.assert_array_equal(np.concatenate(pieces), whole)
-    assert chunk_rows == rows
+def test_cpp_repack_is_the_numpy_layout(name):
+    """kquant_repack.cpp against the numpy layout (tests/kquant_layout.py), byte for byte, for fused
+    parts whose tiles end in a short group; and the tile table that goes with it."""
+    from kquant_layout import interleave, repack
+    from specee.model import kernels
+    from specee.model.quant_gguf import KQuantLinear
+
+    if kernels.int4_kernel() is None:
+        pytest.skip("the CPU kernels are not built here (no compiler)")
+    parts = [random_weight(name, rows=rows, cols=512, seed=rows) for rows in (336, 48)]  # 21 and 3 tiles
+    want, tiles, at = [], [], 0
+    for w in parts:
+        blocks, rows = interleave(repack(w), at, int(w.qtype))
+        want.append(blocks)
+        tiles += rows
+        at += blocks.size
+    lin = KQuantLinear(parts, None, kernels.int4_kernel())
+    np.testing.assert_array_equal(lin.packed.numpy(), np.concatenate(want))
+    assert lin.tiles.tolist() == [list(t) for t in tiles]
 
 
 # ---- the converted tokenizer's cache -----------------------------------------------------------------

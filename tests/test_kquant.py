@@ -19,8 +19,9 @@ import torch
 from specee.model import kernels
 from specee.model.gguf_blocks import GGUFWeight
 from specee.model.quant import RefinedHead, kernel_spec, linear_from_parts
-from specee.model.quant_gguf import KQuantLinear, repack
+from specee.model.quant_gguf import KQuantLinear
 
+from kquant_layout import repack
 from gguf_checkpoints import TinyGGUF, write_gguf
 from conftest import greedy_with_margins
 from test_quant_int8 import assert_same_greedy, fake_quantized_twin, int8, level, quantize_activations  # noqa: F401
@@ -157,8 +158,11 @@ def test_the_repack_adds_no_byte_and_refuses_other_types():
     for qtype in (T.Q4_K, T.Q6_K):
         w = random_blocks(qtype, 32, 512, 0)
         assert repack(w).nbytes == w.data.nbytes == KQuantLinear([w], None, kernel()).packed.numel()
-    with pytest.raises(ValueError, match="Q5_K blocks have no kquant.cpp kernel"):
-        repack(GGUFWeight(T.Q5_K, np.zeros((16, 176), np.uint8)))
+    q5k = GGUFWeight(T.Q5_K, np.zeros((16, 176), np.uint8))
+    with pytest.raises(ValueError, match="K-quant kernel: Q4_K / Q6_K / Q5_0 / Q8_0 parts"):
+        KQuantLinear([q5k], None, kernel())
+    with pytest.raises(RuntimeError, match="GGML type 13 has no kquant.cpp layout"):
+        kernel().kquant_repack(torch.from_numpy(q5k.data), int(T.Q5_K), 256, torch.empty(q5k.data.size, dtype=torch.uint8))
 
 
 def test_auto_runs_k_quant_parts_as_stored_and_other_parts_as_before(int8):
@@ -199,11 +203,10 @@ def test_a_tile_entry_outside_the_packed_bytes_is_refused(monkeypatch):
 
     w = random_blocks(T.Q4_K, 32, 256, seed=0)
     assert KQuantLinear([w], None, kernel()).tiles.shape == (2, 4)
-    real = quant_gguf.interleave
+    real = quant_gguf.tile_rows
 
-    def past_the_end(blocks, at, qtype):
-        packed, rows = real(blocks, at, qtype)
-        return packed, [(base + packed.size, *rest) for base, *rest in rows]
-    monkeypatch.setattr(quant_gguf, "interleave", past_the_end)
+    def past_the_end(w, at):
+        return [(base + w.data.size, *rest) for base, *rest in real(w, at)]
+    monkeypatch.setattr(quant_gguf, "tile_rows", past_the_end)
     with pytest.raises(RuntimeError, match="tile 0 is not a Q4_K, Q6_K, Q5_0 or Q8_0 tile of K = 256 inside the packed bytes"):
         KQuantLinear([w], None, kernel())

@@ -21,8 +21,9 @@ import torch
 from specee.model import kernels
 from specee.model.gguf_blocks import GGUFWeight
 from specee.model.quant import Int8Linear, RefinedHead, kernel_spec, linear_from_parts
-from specee.model.quant_gguf import KQuantLinear, repack
+from specee.model.quant_gguf import KQuantLinear
 
+from kquant_layout import repack
 from gguf_checkpoints import TinyGGUF, write_gguf
 from test_gguf_tokenizer import FILES
 from test_kquant import activations, check_fused_rows, fma, kernel, random_blocks as k_blocks, reference as k_reference

@@ -1,27 +1,23 @@
 """GGUF Q4_K, Q6_K, Q5_0 and Q8_0 tensors run from their own blocks (model/kernels/kquant.cpp): the
-blocks are repacked per 16 outputs into vectors the integer dot products read directly, byte for
-byte as large as the file's (Q4_K 4.5 bits a weight, Q6_K 6.5625, Q5_0 5.5, Q8_0 8.5), where the
-int4 repack took 5 bits and the int8 one 8 (and Q5_0 and Q8_0 lost their scale per 32 to one per
-row). Activations are quantized per block of 32 to int8, as the int4 kernel's default.
-
-Codes come from the blocks' bits (gguf_blocks.block_codes, checked against gguf's dequantization);
-scales and d are copied verbatim."""
+blocks are repacked per 16 outputs (kernels/kquant_repack.cpp, at load) into vectors the integer dot
+products read directly, byte for byte as large as the file's (Q4_K 4.5 bits a weight, Q6_K 6.5625,
+Q5_0 5.5, Q8_0 8.5), where the int4 repack took 5 bits and the int8 one 8 (and Q5_0 and Q8_0 lost
+their scale per 32 to one per row). Activations are quantized per block of 32 to int8, as the int4
+kernel's default."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import warnings
 
 import numpy as np
 import torch
 
 from . import huge_pages
-from .gguf_blocks import GGUFWeight, block_codes
+from .gguf_blocks import GGUFWeight
 from .quant import QuantizationError, _KernelLinear, _present
 
 TILE = 16  # outputs per tile: one 16-lane vector
 GROUP = 4  # tiles whose super-blocks interleave (kquant.cpp's kGroupTiles)
-SUPER = 256  # inputs per K-quant block
-CHUNK_WEIGHTS = 1 << 20  # weights repacked at a time (a chunk's codes, 1 MB, and temporaries stay in an L2)
-BLOCK = {"Q4_K": SUPER, "Q6_K": SUPER, "Q5_0": 32, "Q8_0": 32}  # what kquant.cpp runs: inputs per block
+BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q5_0": 32, "Q8_0": 32}  # what kquant.cpp runs: inputs per block
 
 
 def fits(parts: list) -> bool:
@@ -43,108 +39,12 @@ def kernel_for(parts: list, device: torch.device):
     return kernel if kernel is not None and ACTIVATIONS[kernel.int4_activations()] == "int8" else None
 
 
-def _words(x: np.ndarray, word: int) -> np.ndarray:
-    """x [..., word] uint8 as one unsigned integer per `word` bytes [...] (the same bytes), so the
-    transposes below move 2- or 4-byte elements instead of bytes (4x faster in numpy)."""
-    return np.ascontiguousarray(x).view(f"u{word}")[..., 0]
-
-
-def _bytes(words: np.ndarray, *shape: int) -> np.ndarray:
-    return np.ascontiguousarray(words).view(np.uint8).reshape(shape)
-
-
-def _nibbles(codes: np.ndarray) -> np.ndarray:
-    """Low 4 bits as [N/16, K/32, 4 vectors x 64 B]: vector a, lane o, byte e = inputs 8 a + e of
-    the block (low nibble) and + 4 (high nibble). (K-quants: 8 of these blocks a super-block.)"""
-    N, K = codes.shape
-    v = codes.reshape(N // TILE, TILE, K // 32, 4, 2, 4)  # t, o, b, a, j, e
-    pairs = _words(v[..., 0, :] & 15 | v[..., 1, :] << 4, 4)  # t, o, b, a (the uint8 shift drops high bits)
-    return _bytes(pairs.transpose(0, 2, 3, 1), N // TILE, K // 32, 256)
-
-
-def _quads(x: np.ndarray) -> np.ndarray:
-    """Per-input values uint8 [N, K] as [N/16, K/32, 8 vectors x 64 B]: vector C, lane o, byte e =
-    input 4 C + e of the block."""
-    N, K = x.shape
-    quads = _words(x.reshape(N // TILE, TILE, K // 32, 8, 4), 4)  # t, o, b, C
-    return _bytes(quads.transpose(0, 2, 3, 1), N // TILE, K // 32, 512)
-
-
-def _super(blocks: np.ndarray) -> np.ndarray:
-    """Per-block vectors [N/16, K/32, n] as the super-blocks' [N/16, K/256, 8 n]."""
-    return blocks.reshape(blocks.shape[0], -1, 8 * blocks.shape[-1])
-
-
-def _lanes(x: np.ndarray, word: int) -> np.ndarray:
-    """Per-(output, block) bytes [N, S, n] as [N/16, S, n x 16]: the n / word words in turn, each as
-    16 lanes (outputs) of `word` bytes."""
-    N, S, n = x.shape
-    words = _words(x.reshape(N // TILE, TILE, S, n // word, word), word)  # t, o, s, w
-    return _bytes(words.transpose(0, 2, 3, 1), N // TILE, S, n * TILE)
-
-
-def repack(w: GGUFWeight) -> np.ndarray:
-    """w's blocks as kquant.cpp's tile-blocks: uint8 [N/16, K / block, tile-block bytes]."""
-    from gguf import GGMLQuantizationType as T
-    from gguf.quants import GGML_QUANT_SIZES
-
-    if w.qtype.name not in BLOCK:
-        raise QuantizationError(f"{w.qtype.name} blocks have no kquant.cpp kernel (Q4_K, Q6_K, Q5_0 and Q8_0 do)")
-    N, K = w.shape
-    size = GGML_QUANT_SIZES[w.qtype][1]
-    blocks = np.ascontiguousarray(w.data).reshape(N, K // BLOCK[w.qtype.name], size)
-    codes = block_codes(w)
-    if w.qtype == T.Q8_0:
-        parts = [_quads(codes), _lanes(blocks[..., 0:2], 2)]  # the int8 codes + 128, then d's
-    elif w.qtype == T.Q5_0:
-        fifth = _quads(codes >> 4).reshape(N // TILE, K // 32, 8, 64)  # vector C: input 4 C + e's 5th bit
-        fifth = sum(fifth[..., c, :] << c for c in range(8)).astype(np.uint8)  # at bit C of one vector
-        parts = [_nibbles(codes), fifth, _lanes(blocks[..., 0:2], 2)]
-    elif w.qtype == T.Q4_K:
-        parts = [_super(_nibbles(codes)), _lanes(blocks[..., 4:16], 4), _lanes(blocks[..., 0:4], 2)]  # d's, then dmin's
-    elif w.qtype == T.Q6_K:
-        hi = (codes >> 4).reshape(N // TILE, TILE, K // SUPER, 8, 2, 4, 4)  # t, o, sb, b, h, cc, e
-        hi = _words(hi[..., 0, :] | hi[..., 1, :] << 2 | hi[..., 2, :] << 4 | hi[..., 3, :] << 6, 4)  # t, o, sb, b, h
-        parts = [_super(_nibbles(codes)), _bytes(hi.transpose(0, 2, 3, 4, 1), N // TILE, K // SUPER, 1024),
-                 _lanes(blocks[..., 192:208], 4), _lanes(blocks[..., 208:210], 2)]
-    return np.concatenate(parts, axis=-1)
-
-
-def interleave(blocks: np.ndarray, at: int, qtype: int) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
-    """Tile-blocks [tiles, S, size] in kquant.cpp's order: groups of GROUP tiles (fewer at the end),
-    per (super-)block the group's 64-byte vectors interleaved (vector v of tile j at (v g + j) 64),
-    then their tails (d, 32 bytes, but Q4_K's); and each tile's (offset of its group from `at`, type,
-    g, j)."""
-    tiles, S, size = blocks.shape
-    vectors = size // 64
-    out, rows = [], []
-    for g0 in range(0, tiles, GROUP):
-        g = blocks[g0:g0 + GROUP]
-        body = g[..., :vectors * 64].reshape(len(g), S, vectors, 64).transpose(1, 2, 0, 3).reshape(S, -1)
-        tail = g[..., vectors * 64:].transpose(1, 0, 2).reshape(S, -1)
-        rows += [(at + g0 * S * size, qtype, len(g), j) for j in range(len(g))]
-        out.append(np.concatenate([body, tail], axis=1).reshape(-1))
-    return np.concatenate(out), rows
-
-
-def tile_blocks(w: GGUFWeight, at: int) -> tuple[list[np.ndarray], list[tuple[int, int, int, int]]]:
-    """`interleave(repack(w), at, ...)` as pieces to concatenate, a few groups of tiles at a time on
-    the torch threads: each
-    chunk's temporaries stay in cache (whole-matrix passes took Qwen2.5-Coder-1.5B's load 9 s on an
-    Intel Xeon), and numpy releases the GIL in them. Groups never straddle chunks, so the bytes are
-    the same."""
-    N, K = w.shape
-    step = TILE * GROUP * max(1, CHUNK_WEIGHTS // (TILE * GROUP * K))
-    starts = range(0, N, step)
-    with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(starts)))) as pool:
-        chunks = list(pool.map(lambda r: repack(GGUFWeight(w.qtype, w.data[r:r + step])), starts))
-    out, rows = [], []
-    for chunk in chunks:
-        blocks, chunk_rows = interleave(chunk, at, int(w.qtype))
-        out.append(blocks)
-        rows += chunk_rows
-        at += blocks.size
-    return out, rows
+def tile_rows(w: GGUFWeight, at: int) -> list[tuple[int, int, int, int]]:
+    """kquant_check's entries for w's tiles when its bytes start at `at` of the packed buffer: per
+    tile (byte offset of its group, GGUF type, tiles in the group, its place there)."""
+    tiles, tile_bytes = w.shape[0] // TILE, TILE * w.data.shape[1]  # a tile: as many bytes as its 16 rows'
+    return [(at + g0 * tile_bytes, int(w.qtype), min(GROUP, tiles - g0), j)
+            for g0 in range(0, tiles, GROUP) for j in range(min(GROUP, tiles - g0))]
 
 
 class KQuantLinear(_KernelLinear):
@@ -158,14 +58,16 @@ class KQuantLinear(_KernelLinear):
                                     "and one input width, a multiple of their blocks (256 or 32)")
         self.parts, self.bias, self.kernel = parts, bias, kernel
         self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
-        packed, tiles = [], []
-        for p in parts:
-            pieces, rows = tile_blocks(p, sum(b.size for b in packed))
-            packed += pieces
-            tiles += rows
         # written once, where it stays (a copy onto huge pages took Qwen2.5-Coder-1.5B's load 2 s)
-        self.packed = huge_pages.empty((sum(b.size for b in packed),), torch.uint8, torch.device("cpu"))
-        np.concatenate(packed, out=self.packed.numpy())
+        self.packed = huge_pages.empty((sum(p.data.size for p in parts),), torch.uint8, torch.device("cpu"))
+        tiles, at = [], 0
+        for p in parts:
+            with warnings.catch_warnings():  # a read-only memory map: torch warns that it cannot be written
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(np.ascontiguousarray(p.data))
+            kernel.kquant_repack(blocks, int(p.qtype), self.in_features, self.packed[at:at + p.data.size])
+            tiles += tile_rows(p, at)
+            at += p.data.size
         self.tiles = torch.tensor(tiles, dtype=torch.int64)
         kernel.kquant_check(self.packed, self.tiles, self.in_features)  # once here, not in every product
 

@@ -20,6 +20,7 @@
   SPECEE_ACTIVATIONS=bf16 or `use_activations("bf16")` sends every int4 product to the bf16 path.
 - `kquant.cpp` (+ `kquant_tile.h`): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.
+  `kquant_repack.cpp`: the file's blocks rewritten into that layout at load.
   `q8_0_rows`: Q8_0 rows dequantized as gguf does (an embedding lookup, a head's rescored rows).
 
 Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s), once per

@@ -338,6 +338,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_mm", &kquant_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_check", &kquant_check);
+  m.def("kquant_repack", [](const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tensor out) {
+    kquant_repack(blocks, qtype, K, out);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("row_attention_available", &row_attention_available);
   m.def("greedy_rows", &greedy_rows);
   m.def("top_k_rows", &top_k_rows);

@@ -13,6 +13,11 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // product of the decode loop.
 void kquant_check(const at::Tensor& packed, const at::Tensor& tiles, int64_t K);
 
+// GGUF blocks of type qtype (Q5_0 / Q8_0 / Q4_K / Q6_K), blocks uint8 [N, K / block * bytes] with N a
+// multiple of 16, rewritten into out (uint8, as many bytes) in kquant.cpp's layout: tiles of 16 rows in
+// groups of 4 (fewer at the end), each group's tiles at byte 16 t0 x (bytes per row) for its first tile t0.
+void kquant_repack(const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tensor& out);
+
 // GGUF Q8_0 rows as float32: table uint8 [N, K / 32 * 34] (each block a float16 d, then 32 int8 q;
 // w = d q, gguf's own dequantization), ids int64 [n] -> float32 [n, K]. An embedding lookup and a
 // quantized head's rescored rows, every step: gguf's numpy path took 30-150 us a call of Python.
