@@ -199,3 +199,31 @@ def test_ranker_codes_by_rows_equal_whole(name):
         whole = int4_codes_from_float(head.dequantize())
         by_rows = int4_codes_of(head, weights_at_a_time=37 * 512)  # chunks of 37 rows, a short last one
         assert all(torch.equal(a, b) for a, b in zip(whole, by_rows)), type(head).__name__
+
+
+def test_header_of_a_cut_or_scrambled_file_is_a_one_line_error(tmp_path):
+    """Every cut inside the header, and bytes scrambled there, give CheckpointError (or, for a
+    scramble that still parses, a header), never another exception or a hang."""
+    from specee.model.gguf import open_gguf
+    from specee.model.weights import CheckpointError
+
+    data = write_gguf(tmp_path / "tiny.gguf", TinyGGUF("llama", ("Q8_0", "Q4_K"), tied=True)).read_bytes()
+    end = Header(tmp_path / "tiny.gguf").data_offset
+    rng = np.random.default_rng(0)
+    cases = [data[:cut] for cut in range(0, end + 64, 37)]
+    for _ in range(40):
+        bad = bytearray(data)
+        at = rng.integers(4, end, 3)
+        bad[at[0]:at[0] + 8] = rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+        bad[at[1]], bad[at[2]] = 0xFF, 0x7F
+        cases.append(bytes(bad))
+    refused = 0
+    for i, case in enumerate(cases):
+        path = tmp_path / f"case{i}.gguf"
+        path.write_bytes(case)
+        try:
+            open_gguf(path)
+        except CheckpointError as e:
+            assert "not a readable GGUF file" in str(e) and "\n" not in str(e)
+            refused += 1
+    assert refused >= len(cases) - 40  # every cut is refused; scrambles mostly are

@@ -88,7 +88,7 @@ def _open_gguf(path: Path, _mtime_ns: int, _size: int) -> GGUFFile:
         raise ImportError("reading GGUF files needs the gguf package: pip install 'specee[gguf]'") from None
     try:
         header = Header(path)
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error) as e:
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error, RecursionError) as e:
         detail = " ".join(str(e).split()) or type(e).__name__
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt: {detail})") from None
     return GGUFFile(header.metadata, header.tensors, header.data_offset, header.array_lengths.get("tokenizer.ggml.tokens"))

@@ -18,6 +18,7 @@ import numpy as np
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
 # GGUF value types: struct code of the fixed-size ones; 8 is a string, 9 an array
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
@@ -100,6 +101,8 @@ class Header:
 
     def tensor_info(self) -> tuple[str, list[int], int, int]:
         name, n_dims = self.string(), self.scalar(4)
+        if n_dims > MAX_DIMS:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions (GGML has at most {MAX_DIMS})")
         dims = [self.scalar(10) for _ in range(n_dims)]
         return name, dims, self.scalar(4), self.scalar(10)
 
