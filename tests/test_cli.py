@@ -49,6 +49,30 @@ def test_generate_matches_llm_generate(capsys, stories_llm):
 
 
 @needs_stories
+@pytest.mark.parametrize("extra", [[], ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']])
+def test_generate_sizes_the_kv_pool_to_its_request(capsys, monkeypatch, stories_llm, extra):
+    """One request: a pool of its prompt + max tokens + the decoding's extra rows (not the default 1 GiB),
+    with the same text; --kv-cache-memory still wins."""
+    from specee.cli import run as cli_run
+
+    built = []
+    real = cli_run.load_llm
+    monkeypatch.setattr(cli_run, "load_llm", lambda args: built.append(real(args)) or built[-1])
+    code, out, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--no-chat",
+                         "--max-new-tokens", "24", *extra)
+    assert code == 0, err
+    llm = built[-1]
+    needed = len(llm.encode(PROMPT)) + 24 + llm.engine.decoding.extra_rows
+    assert needed <= llm.engine.kv.capacity < needed + 16  # whole blocks of 16 slots
+    assert llm.engine.decoding.extra_rows == (4 if extra else 0)
+    assert out == stories_llm.generate(PROMPT, SamplingParams(max_tokens=24))[0].text + "\n"
+    code, _, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--no-chat",
+                       "--max-new-tokens", "24", "--kv-cache-memory", "4096", *extra)
+    assert code == 0, err
+    assert built[-1].engine.kv.capacity == 4096
+
+
+@needs_stories
 def test_generate_json(capsys, stories_llm):
     code, out, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--no-chat",
                          "--max-new-tokens", "12", "--json")

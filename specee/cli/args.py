@@ -77,7 +77,7 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastes
         add_threads_arg(g)
         g.add_argument("--kv-cache-memory", type=kv_cache_memory_arg, default=None, metavar="SIZE|TOKENS",
                        help="the KV cache pool requests share: a size (512MiB, 2GB) or a token count "
-                            "(default: 1 GiB, at least one full context)")
+                            "(default: 1 GiB, at least one full context; generate: its one request's size)")
         g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="what the KV cache stores (default: auto = float16 where specee's AVX-512 attention reads "
                             "it, as llama.cpp: half the memory and bytes read; else the compute dtype)")

@@ -88,6 +88,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_fits_before_loading(args, prompt, params)
     llm = load_llm(args)
     chat = use_chat_template(llm, args.no_chat)
+    if args.kv_cache_memory is None:  # one request: a pool its size (LLM.fit_kv_cache says why)
+        llm.fit_kv_cache(len(llm.encode(prompt, chat)) + params.max_tokens)
     if args.json:
         out = llm.generate(prompt, params, chat=chat)[0]
         print(json.dumps({"model": str(llm.model_dir), "prompt": prompt, "chat": chat, "text": out.text,
