@@ -59,8 +59,11 @@ class Header:
         self.tensors = [self.tensor(*info) for info in infos]
 
     def unpack(self, code: str) -> Any:
+        size = struct.calcsize(code)
+        if self.pos + size > len(self.buf):
+            raise ValueError(f"the header runs past the end of the file ({len(self.buf)} bytes)")
         value = struct.unpack_from(self.order + code, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(code)
+        self.pos += size
         return value
 
     def scalar(self, kind: int) -> Any:
@@ -85,9 +88,12 @@ class Header:
         """Step over an array (nested ones too); returns its element count."""
         kind, count = self.scalar(4), self.unpack("Q")
         if kind == STRING:
-            read_length = struct.Struct(self.order + "Q").unpack_from
-            for _ in range(count):
-                self.pos += 8 + read_length(self.buf, self.pos)[0]
+            read_length, pos, end = struct.Struct(self.order + "Q").unpack_from, self.pos, len(self.buf)
+            for _ in range(count):  # the vocabulary and merges: 100,000s of strings, so no per-item calls
+                if pos + 8 > end:
+                    raise ValueError(f"the header runs past the end of the file ({end} bytes)")
+                pos += 8 + read_length(self.buf, pos)[0]
+            self.pos = pos
         elif kind == ARRAY:
             for _ in range(count):
                 self.skip_array()
