@@ -1,8 +1,8 @@
 """Tokenizer, chat template and incremental detokenization for a checkpoint directory or GGUF file.
 
 Wraps the `tokenizers` library (the same `tokenizer.json` transformers uses; for a GGUF, the
-tokenizer transformers converts from its metadata, stored once converted) and renders the Jinja chat template the way
-transformers does.
+tokenizer transformers converts from its metadata, stored once converted) and renders the Jinja
+chat template the way transformers does.
 """
 from __future__ import annotations
 

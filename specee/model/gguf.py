@@ -91,7 +91,8 @@ def _open_gguf(path: Path, _mtime_ns: int, _size: int) -> GGUFFile:
     except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error, RecursionError) as e:
         detail = " ".join(str(e).split()) or type(e).__name__
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt: {detail})") from None
-    return GGUFFile(header.metadata, header.tensors, header.data_offset, header.array_lengths.get("tokenizer.ggml.tokens"))
+    tokens = header.array_lengths.get("tokenizer.ggml.tokens")
+    return GGUFFile(header.metadata, header.tensors, header.data_offset, tokens)
 
 
 def config_from_gguf(gguf_file: GGUFFile, source: str | Path) -> ModelConfig:

@@ -121,7 +121,7 @@ def all_finite(qtype, data: np.ndarray) -> bool:
     return bool(np.isfinite(dequantize(data, qtype)).all())
 
 
-# Where each block's codes sit (ggml-quants.c's dequantize_row_*; tests/test_gguf_codes.py checks
+# Where each block's codes sit (ggml-quants.c's dequantize_row_*; tests/test_gguf_load.py checks
 # every type against gguf's own dequantization): byte offsets of the quants in a block.
 _Q4_NIBBLES = {"Q4_0": 2, "Q4_1": 4}  # 16 bytes: input j low nibble, input j + 16 high
 
