@@ -167,7 +167,8 @@ def test_gguf_tokenizer_is_converted_once_then_read_back(tmp_path, monkeypatch):
     monkeypatch.setattr(tk, "_convert_gguf", no_conversion)
     tk._cached_gguf.cache_clear()
     cached = tk.Tokenizer(SMOLLM2)
-    texts = ["What is the capital of France?", "def f(x):\n    return x ** 2\n", "Größe 你好 😀 <|im_end|>", "  a\tb\n"]
+    texts = ["What is the capital of France?", "def f(x):\n    return x ** 2\n", "Größe 你好 😀 <|im_end|>",
+             "  a\tb\n"]
     for text in texts:
         assert cached.encode(text) == converted.encode(text)
         assert cached.decode(converted.encode(text)) == converted.decode(converted.encode(text))

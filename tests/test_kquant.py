@@ -162,7 +162,8 @@ def test_the_repack_adds_no_byte_and_refuses_other_types():
     with pytest.raises(ValueError, match="K-quant kernel: Q4_K / Q6_K / Q5_0 / Q8_0 parts"):
         KQuantLinear([q5k], None, kernel())
     with pytest.raises(RuntimeError, match="GGML type 13 has no kquant.cpp layout"):
-        kernel().kquant_repack(torch.from_numpy(q5k.data), int(T.Q5_K), 256, torch.empty(q5k.data.size, dtype=torch.uint8))
+        out = torch.empty(q5k.data.size, dtype=torch.uint8)
+        kernel().kquant_repack(torch.from_numpy(q5k.data), int(T.Q5_K), 256, out)
 
 
 def test_auto_runs_k_quant_parts_as_stored_and_other_parts_as_before(int8):
