@@ -1,7 +1,7 @@
 """kquant.cpp's weight layout written in numpy: the reference kernels/kquant_repack.cpp is checked
 against (tests/test_gguf_load.py), byte for byte. This was specee's repack until the C++ one; it
-reads the codes with block_codes (checked against gguf's own dequantization) and copies scales
-and d verbatim."""
+reads the codes from the blocks' bits (`all_codes`, checked against gguf's own dequantization in
+test_gguf_load.py) and copies scales and d verbatim."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +11,31 @@ from specee.model.quant import QuantizationError
 
 TILE, GROUP, SUPER = 16, 4, 256
 BLOCK = {"Q4_K": SUPER, "Q6_K": SUPER, "Q5_0": 32, "Q8_0": 32}
+
+
+def all_codes(w: GGUFWeight) -> np.ndarray:
+    """The unsigned codes uint8 [N, K] of any type here or an int4 one (block_codes): Q5_0 0..31,
+    Q6_K 0..63, Q8_0 the int8 plus 128 (ggml-quants.c's dequantize_row_*)."""
+    from gguf.quants import GGML_QUANT_SIZES
+
+    if w.qtype.name in ("Q4_0", "Q4_1", "Q4_K"):
+        return block_codes(w)
+    N, K = w.shape
+    b = np.ascontiguousarray(w.data).reshape(-1, GGML_QUANT_SIZES[w.qtype][1])
+    if w.qtype.name == "Q5_0":  # d, a 32-bit word of 5th bits, then Q4_0's nibbles
+        high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little") << 4
+        qs = b[:, 6:22]
+        out = np.concatenate([qs & 15, qs >> 4], axis=1) | high
+    elif w.qtype.name == "Q6_K":  # two halves of 128: ql 64 bytes, qh 32 bytes; 4 runs of 32 inputs each
+        ql = b[:, :128].reshape(-1, 2, 1, 2, 32)  # half, -, run pair (l, l + 32), l
+        qh = b[:, 128:192].reshape(-1, 2, 1, 1, 32)
+        low = np.concatenate([ql & 15, ql >> 4], axis=2)  # half, nibble, pair, l: run 2 nibble + pair
+        out = low | ((qh >> (2 * np.arange(4, dtype=np.uint8).reshape(2, 2, 1))) & 3) << 4  # run r: bits 2r, 2r+1
+    elif w.qtype.name == "Q8_0":
+        out = b[:, 2:34] ^ np.uint8(128)
+    else:
+        raise ValueError(f"{w.qtype.name} has no codes here")
+    return np.ascontiguousarray(out).reshape(N, K)
 
 
 def _words(x: np.ndarray, word: int) -> np.ndarray:
@@ -63,7 +88,7 @@ def repack(w: GGUFWeight) -> np.ndarray:
     N, K = w.shape
     size = GGML_QUANT_SIZES[w.qtype][1]
     blocks = np.ascontiguousarray(w.data).reshape(N, K // BLOCK[w.qtype.name], size)
-    codes = block_codes(w)
+    codes = all_codes(w)
     if w.qtype == T.Q8_0:
         parts = [_quads(codes), _lanes(blocks[..., 0:2], 2)]  # the int8 codes + 128, then d's
     elif w.qtype == T.Q5_0:

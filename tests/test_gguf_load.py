@@ -1,5 +1,6 @@
 """Loading a GGUF quickly, with the same results as the slow ways it replaced: the header read by
-model/gguf_header.py against gguf's GGUFReader; block codes read from their bits against gguf's
+model/gguf_header.py against gguf's GGUFReader; block codes read from their bits (gguf_blocks.block_codes
+for the int4 types, the repack reference's for the others) against gguf's
 dequantization of unit-scale blocks; dequantization in chunks against whole tensors; the C++ K-quant
 repack against the numpy layout; the converted GGUF tokenizer read back from its cache file."""
 from __future__ import annotations
@@ -18,7 +19,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 from gguf_checkpoints import TinyGGUF, write_gguf  # noqa: E402
 from specee.model import gguf_blocks  # noqa: E402
-from specee.model.gguf_blocks import GGUFWeight, block_codes  # noqa: E402
+from specee.model.gguf_blocks import GGUFWeight  # noqa: E402
+from kquant_layout import all_codes  # noqa: E402
 from specee.model.gguf_header import Header  # noqa: E402
 
 SMOLLM2 = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,7 +67,7 @@ def real_files() -> list[Path]:
 @pytest.mark.parametrize("name", TYPES)
 def test_block_codes_are_gguf_codes_on_random_blocks(name):
     w = random_weight(name)
-    codes = block_codes(w)
+    codes = all_codes(w)
     assert codes.shape == w.shape and codes.dtype == np.uint8
     np.testing.assert_array_equal(codes, unit_scale_codes(w))
     assert codes.max() == {"Q5_0": 31, "Q6_K": 63, "Q8_0": 255}.get(name, 15)  # every bit reached
@@ -80,7 +82,7 @@ def test_block_codes_are_gguf_codes_on_real_files():
             if t.data.ndim == 2 and t.tensor_type.name in TYPES:
                 rows = t.data[: min(len(t.data), 256)]  # the first rows of every matrix
                 w = GGUFWeight(t.tensor_type, rows)
-                np.testing.assert_array_equal(block_codes(w), unit_scale_codes(w), err_msg=f"{path.name} {t.name}")
+                np.testing.assert_array_equal(all_codes(w), unit_scale_codes(w), err_msg=f"{path.name} {t.name}")
                 seen.add(t.tensor_type.name)
     assert {"Q4_1", "Q8_0"} <= seen
 

@@ -94,8 +94,11 @@ def _dequantize_blocks(qtype, data: np.ndarray) -> np.ndarray:
         out[start:start + CHUNK_BLOCKS] = kind.dequantize_blocks(blocks[start:start + CHUNK_BLOCKS])
 
     starts = range(0, len(blocks), CHUNK_BLOCKS)
-    with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(starts)))) as pool:
-        list(pool.map(run, starts))
+    if len(starts) == 1:  # a few rows (an embedding lookup, a head's rescored rows, every step): no pool
+        run(0)
+    else:
+        with ThreadPoolExecutor(min(torch.get_num_threads(), len(starts))) as pool:
+            list(pool.map(run, starts))
     return out
 
 
@@ -121,42 +124,23 @@ def all_finite(qtype, data: np.ndarray) -> bool:
     return bool(np.isfinite(dequantize(data, qtype)).all())
 
 
-# Where each block's codes sit (ggml-quants.c's dequantize_row_*; tests/test_gguf_load.py checks
-# every type against gguf's own dequantization): byte offsets of the quants in a block.
-_Q4_NIBBLES = {"Q4_0": 2, "Q4_1": 4}  # 16 bytes: input j low nibble, input j + 16 high
-
-
 def block_codes(w: GGUFWeight) -> np.ndarray:
-    """The unsigned codes uint8 [N, K] of w's blocks, read from their bits in integer arithmetic:
-    Q4_0 / Q4_1 / Q4_K 0..15, Q5_0 0..31, Q6_K 0..63, Q8_0 the int8 plus 128. (gguf's float
-    dequantization with unit scales gave the same codes at 10x the time: 15 s of Qwen2.5-Coder-1.5B's
-    load on an Intel Xeon.)"""
-    N, K = w.shape
+    """The codes 0..15 uint8 [N, K] of Q4_0 / Q4_1 / Q4_K blocks, read from their bits (ggml-quants.c's
+    dequantize_row_*; tests/test_gguf_load.py checks them against gguf's own dequantization). gguf's
+    float dequantization of unit-scale copies gave the same codes at 10x the time. The other types'
+    codes are read where they are repacked (kernels/kquant_repack.cpp)."""
     from gguf.quants import GGML_QUANT_SIZES
 
-    size = GGML_QUANT_SIZES[w.qtype][1]
-    b = np.ascontiguousarray(w.data).reshape(-1, size)
-    name = w.qtype.name
-    if name in _Q4_NIBBLES:
-        qs = b[:, _Q4_NIBBLES[name]:][:, :16]
+    N, K = w.shape
+    b = np.ascontiguousarray(w.data).reshape(-1, GGML_QUANT_SIZES[w.qtype][1])
+    if w.qtype.name in ("Q4_0", "Q4_1"):  # d (and m), 16 bytes: input j low nibble, j + 16 high
+        qs = b[:, 2 if w.qtype.name == "Q4_0" else 4:][:, :16]
         codes = np.concatenate([qs & 15, qs >> 4], axis=1)
-    elif name == "Q4_K":  # 4 runs of 32 bytes: inputs 64 j + l low nibble, 64 j + 32 + l high
+    elif w.qtype.name == "Q4_K":  # d, dmin, 12 scale bytes; 4 runs of 32 bytes: 64 j + l low, 64 j + 32 + l high
         qs = b[:, 16:144].reshape(-1, 4, 1, 32)
         codes = np.concatenate([qs & 15, qs >> 4], axis=2)
-    elif name == "Q5_0":  # a 32-bit word of 5th bits, then Q4_0's nibbles
-        high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little") << 4
-        qs = b[:, 6:22]
-        codes = np.concatenate([qs & 15, qs >> 4], axis=1) | high
-    elif name == "Q6_K":  # two halves of 128: ql 64 bytes, qh 32 bytes; 4 runs of 32 inputs each
-        ql = b[:, :128].reshape(-1, 2, 1, 2, 32)  # half, -, run pair (l, l + 32), l
-        qh = b[:, 128:192].reshape(-1, 2, 1, 1, 32)
-        low = np.concatenate([ql & 15, ql >> 4], axis=2)  # half, nibble, pair, l: run 2 nibble + pair
-        high = (qh >> (2 * np.arange(4, dtype=np.uint8).reshape(2, 2, 1))) & 3  # run r: bits 2 r, 2 r + 1
-        codes = low | high << 4
-    elif name == "Q8_0":
-        codes = b[:, 2:34] ^ np.uint8(128)
     else:
-        raise ValueError(f"{name} blocks have no integer codes here (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0 do)")
+        raise ValueError(f"{w.qtype.name} blocks are not int4 groups (only Q4_0, Q4_1, Q4_K are)")
     return np.ascontiguousarray(codes).reshape(N, K)
 
 

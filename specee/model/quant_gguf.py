@@ -6,8 +6,6 @@ their scale per 32 to one per row). Activations are quantized per block of 32 to
 kernel's default."""
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
@@ -62,9 +60,7 @@ class KQuantLinear(_KernelLinear):
         self.packed = huge_pages.empty((sum(p.data.size for p in parts),), torch.uint8, torch.device("cpu"))
         tiles, at = [], 0
         for p in parts:
-            with warnings.catch_warnings():  # a read-only memory map: torch warns that it cannot be written
-                warnings.simplefilter("ignore", UserWarning)
-                blocks = torch.from_numpy(np.ascontiguousarray(p.data))
+            blocks = p._table().contiguous()  # the file's bytes as a tensor, no copy
             kernel.kquant_repack(blocks, int(p.qtype), self.in_features, self.packed[at:at + p.data.size])
             tiles += tile_rows(p, at)
             at += p.data.size
