@@ -21,9 +21,9 @@ class AllTokensDrafter(Drafter):
     """Proposes the whole vocabulary (k = vocab): every layer's argmax is a speculative token,
     so a forced exit is always taken. Lets tests choose exit layers exactly."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, device: str | torch.device = "cpu"):
         self.k, self.name, self.fingerprint = vocab_size, "all-tokens", "all-tokens"
-        self._ids = torch.arange(vocab_size)
+        self._ids = torch.arange(vocab_size, device=device)
         self._history: list[int] = []
 
     def reset(self, prompt_ids, max_new_tokens=None):
@@ -46,9 +46,9 @@ class LookupAllTokens(NGramDrafter):
     """Prompt-lookup drafts, the whole vocabulary as every row's speculative tokens: a forced exit
     is always taken, so tests choose exit layers exactly."""
 
-    def __init__(self, vocab_size: int):
-        super().__init__(1, vocab_size)
-        self.k, self._all = vocab_size, torch.arange(vocab_size)
+    def __init__(self, vocab_size: int, device: str | torch.device = "cpu"):
+        super().__init__(1, vocab_size, device)
+        self.k, self._all = vocab_size, torch.arange(vocab_size, device=device)
 
     def propose(self) -> torch.Tensor:
         return self._all
@@ -132,6 +132,6 @@ EXIT_MODES = {
 def exit_decoding(llm, config: dict):
     """Early exit whose drafter proposes every token (a forced exit is always taken) and drafts by
     prompt lookup; exits where a seeded draw per (token index, layer) says, alike for every request."""
-    dec = decoder(llm, LookupAllTokens(llm.model.cfg.vocab_size), max_pending=3, **config)
+    dec = decoder(llm, LookupAllTokens(llm.model.cfg.vocab_size, llm.model.device), max_pending=3, **config)
     dec.make_exits = forced(dec, random_forcing(seed=7, rate=0.3))
     return dec

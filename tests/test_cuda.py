@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
-from ee_helpers import EXIT_MODES, AllTokensDrafter, decoder, exit_decoding, random_forcing, run
+from ee_helpers import EXIT_MODES, AllTokensDrafter, constant_bank, decoder, exit_decoding, random_forcing, run
 
 from specee import LLM, SamplingParams
+from specee.calibration import calibrate
+from specee.drafters import DraftModelDrafter, NGramDrafter
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none)")]
@@ -40,6 +42,7 @@ def test_every_engine_mode_on_cuda(checkpoints, config, dtype):
     cuda = LLM(target, device="cuda", dtype=dtype, speculative_config=config)
     full = LLM(target, device="cuda", dtype=dtype)
     together = [o.token_ids for o in cuda.generate(PROMPTS, params)]
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # its per-length plans cost ~90 ms a decode step
     assert together == [o.token_ids for o in full.generate(PROMPTS, params)]  # lossless, batched
     if dtype == "float32":
         cpu = LLM(target, dtype="float32", quantization=None)
@@ -51,7 +54,7 @@ def test_lossless_early_exit_on_cuda_equals_full_depth(checkpoints):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ids = llm.encode("Once upon a time")
     full = llm.generate([ids], params)[0].token_ids
-    dec = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size), kv_policy="recompute", mode="lossless",
+    dec = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size, llm.model.device), kv_policy="recompute", mode="lossless",
                   max_pending=3)
     seq, _ = run(llm, dec, ids, params, random_forcing(seed=0, rate=0.5))
     assert seq.output_ids == full
@@ -69,6 +72,26 @@ def test_every_early_exit_mode_batches_on_cuda(checkpoints, mode):
     assert together == [llm.generate(p, sp)[0].token_ids for p, sp in zip(PROMPTS, params)]
     if "lossless" in mode:
         assert together == full
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_production_drafters_and_predictors_on_cuda(checkpoints, drafter):
+    """The shipped drafters and real predictor MLPs (every layer firing) on the GPU: lossless early
+    exit in one batch gives full depth's tokens, and calibration runs there."""
+    target, draft = checkpoints
+    llm = LLM(target, device="cuda", dtype="float32")
+    dev, V, L = llm.model.device, llm.model.cfg.vocab_size, llm.model.cfg.num_layers
+    make = (lambda: NGramDrafter(4, V, dev)) if drafter == "ngram" else (
+        lambda: DraftModelDrafter(draft, llm.tokenizer, 4, dev, torch.float32))
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 5, 9, 3)]
+    full = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    llm.early_exit = decoder(llm, make(), constant_bank(L, 4, [0.0] * L), mode="lossless", max_pending=3)
+    out = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == full
+    assert all(o.stats.early_exit["predictor_calls"] > 0 for o in out)  # the predictors ran
+    bank = calibrate(llm.model, llm.tokenizer, make(), [llm.encode(p) for p in PROMPTS], max_new_tokens=8,
+                     min_exits=1, train_steps=5, folds=2, progress=False)
+    assert bank.to("cpu").num_layers == L
 
 
 def test_gpu_cost_benchmark_reads_the_host_once_per_step():

@@ -176,6 +176,12 @@ class Transformer:
         # CUDA's fused attention kernels take no mask together with grouped KV heads (it falls back to
         # the math kernel, scores materialised): where a mask is needed there, KV heads are expanded
         self.expand_kv_for_mask = device.type == "cuda"
+        if device.type == "cuda":
+            # cuDNN's attention (PyTorch's first choice on Hopper) builds a plan per new key length: 80-90
+            # ms of host time each at Llama-2-7B's shape (H200), and decoding meets a new length every
+            # step; flash and memory-efficient attention have no plans (benchmarks/gpu_cost.py: 14.8 -> 75.2
+            # tokens/s at 1 request). Process-wide, as torch offers it.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         move_to_huge_pages(self.resident_tensors())  # before the C++ layers take their pointers
         self.fast_layers = self.fast_layers_for()
         self.kv_dtype = self.kv_dtype_for(kv_cache_dtype)
