@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import struct
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -142,22 +143,30 @@ def _read_gguf(path: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:
     return _cached_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
 
 
-def gguf_tokenizer_cache(path: Path, mtime_ns: int, size: int) -> Path:
-    """Where the tokenizer converted from the GGUF at `path` is stored: keyed by the file (path, size,
-    modification time) and by the transformers and tokenizers versions that convert and read it."""
-    versions = []
+def gguf_tokenizer_cache(path: Path) -> Path:
+    """Where the tokenizer converted from the GGUF at `path` is stored: keyed by the file's metadata
+    bytes (all the conversion reads), and by the transformers and tokenizers versions that convert and
+    read it. Not by the file's path or date: a copy, a move or a download again finds the same entry,
+    where a key by path left a new 2 MB file in the cache for every temporary copy a test wrote."""
+    from .model.gguf_header import Header
+
+    try:
+        header = Header(path)
+        digest = hashlib.sha256(header.buf[: header.metadata_end])
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error, RecursionError):
+        # unreadable: the conversion that follows says why
+        digest = hashlib.sha256(str(path).encode())
     for package in ("transformers", "tokenizers"):
         try:
-            versions.append(importlib.metadata.version(package))
+            digest.update(importlib.metadata.version(package).encode())
         except importlib.metadata.PackageNotFoundError:
-            versions.append("-")
-    key = hashlib.sha256(json.dumps([str(path), size, mtime_ns, *versions]).encode()).hexdigest()[:20]
-    return default_cache_dir() / "tokenizers" / f"{path.stem}-{key}.json"
+            digest.update(b"-")
+    return default_cache_dir() / "tokenizers" / f"gguf-{digest.hexdigest()[:24]}.json"
 
 
 @functools.lru_cache(maxsize=2)
 def _cached_gguf(path: Path, mtime_ns: int, size: int) -> tuple[HFTokenizer, dict[str, Any], Any]:
-    stored = gguf_tokenizer_cache(path, mtime_ns, size)
+    stored = gguf_tokenizer_cache(path)
     try:
         saved = json.loads(stored.read_text())
         return HFTokenizer.from_str(saved["tokenizer"]), saved["specials"], saved["chat_template"]

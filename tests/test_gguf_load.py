@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -161,7 +162,14 @@ def test_gguf_tokenizer_is_converted_once_then_read_back(tmp_path, monkeypatch):
     tk._cached_gguf.cache_clear()
     converted = tk.Tokenizer(SMOLLM2)
     stored = list((tmp_path / "tokenizers").glob("*.json"))
-    assert len(stored) == 1 and stored[0].name.startswith(SMOLLM2.stem)
+    assert len(stored) == 1
+
+    copy = tmp_path / "elsewhere" / "renamed.gguf"  # a copy or a move finds the same entry
+    copy.parent.mkdir()
+    shutil.copyfile(SMOLLM2, copy)
+    tk._cached_gguf.cache_clear()
+    assert tk.Tokenizer(copy).encode("Hi there") == converted.encode("Hi there")
+    assert list((tmp_path / "tokenizers").glob("*.json")) == stored
 
     def no_conversion(path):
         raise AssertionError("converted again although the cache holds the tokenizer")

@@ -28,7 +28,8 @@ NUMPY_ITEMS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np
 
 class Header:
     """metadata: {key: value} of scalars and strings; array_lengths: {key: element count} of arrays;
-    tensors: gguf ReaderTensors (data memory-mapped); data_offset: where tensor data starts."""
+    metadata_end: where the key-value pairs end; tensors: gguf ReaderTensors (data memory-mapped);
+    data_offset: where tensor data starts."""
 
     def __init__(self, path: str | Path):
         self.map = np.memmap(path, mode="r")
@@ -51,6 +52,7 @@ class Header:
                 self.array_lengths[key] = self.skip_array()
             else:
                 self.metadata[key] = self.value(kind)
+        self.metadata_end = self.pos  # bytes 0 .. metadata_end: the version and every key-value pair
         infos = [self.tensor_info() for _ in range(tensor_count)]
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
