@@ -270,6 +270,19 @@ def test_max_num_seqs_bounds_the_running_batch(checkpoints):
         LLM(checkpoints[0], quantization=None, max_num_seqs=0)
 
 
+@pytest.mark.parametrize("mode", ["full", "ngram"])
+def test_warm_up_leaves_nothing_behind(mode_llms, mode):
+    """`serve` warms its LLM up before it says ready: one token decoded, then the engine is empty, every
+    block free, and the next requests decode exactly as they would have (default quantized path too)."""
+    llm = mode_llms[mode]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (9, 4)]
+    prompts = ["The quick brown fox jumps over", "two"]
+    before = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.warm_up()
+    assert not llm.engine.has_unfinished() and llm.engine.kv.free_blocks == llm.engine.kv.num_blocks
+    assert [o.token_ids for o in llm.generate(prompts, params)] == before
+
+
 def test_kv_manager_hands_out_consecutive_runs_and_merges_them_back(llm):
     cfg = llm.model.cfg
     kv = KVCacheManager(cfg, torch.device("cpu"), torch.float32, 10 * BLOCK_SIZE)

@@ -44,6 +44,13 @@ def served_name(model_dir) -> str:
     return model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name
 
 
+def load_warm_llm(args: argparse.Namespace):
+    """The LLM a server serves, warmed up (`LLM.warm_up`) before it reports ready."""
+    llm = load_llm(args)
+    llm.warm_up()
+    return llm
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -63,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         failed.append(message)
         server.should_exit = True
 
-    app = create_app(load=lambda: load_llm(args), on_load_error=on_load_error, **app_options)
+    app = create_app(load=lambda: load_warm_llm(args), on_load_error=on_load_error, **app_options)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=3))
     server.run()
     if failed:

@@ -21,11 +21,11 @@ class SpecEEReplica:
     """One engine: the LLM the command-line options describe, behind `create_app`."""
 
     def __init__(self, options: dict[str, Any], app_options: dict[str, Any]):
-        from ..cli.args import load_llm
+        from ..cli.serve import load_warm_llm
         from .app import create_app
 
         self.name = serve.get_replica_context().replica_id.to_full_id_str()  # its Ray actor's name
-        self._asgi = create_app(load_llm(argparse.Namespace(**options)), **app_options)
+        self._asgi = create_app(load_warm_llm(argparse.Namespace(**options)), **app_options)
 
     def __serve_build_asgi_app__(self):
         app, name = self._asgi, self.name.encode()
