@@ -11,7 +11,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import struct
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -148,13 +147,12 @@ def gguf_tokenizer_cache(path: Path) -> Path:
     bytes (all the conversion reads), and by the transformers and tokenizers versions that convert and
     read it. Not by the file's path or date: a copy, a move or a download again finds the same entry,
     where a key by path left a new 2 MB file in the cache for every temporary copy a test wrote."""
-    from .model.gguf_header import Header
+    from .model.gguf_header import READ_ERRORS, Header
 
     try:
         header = Header(path)
         digest = hashlib.sha256(header.buf[: header.metadata_end])
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error, RecursionError):
-        # unreadable: the conversion that follows says why
+    except READ_ERRORS:  # unreadable: the conversion that follows says why
         digest = hashlib.sha256(str(path).encode())
     for package in ("transformers", "tokenizers"):
         try:

@@ -54,8 +54,8 @@ def test_lossless_early_exit_on_cuda_equals_full_depth(checkpoints):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ids = llm.encode("Once upon a time")
     full = llm.generate([ids], params)[0].token_ids
-    dec = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size, llm.model.device), kv_policy="recompute", mode="lossless",
-                  max_pending=3)
+    dec = decoder(llm, AllTokensDrafter(llm.model.cfg.vocab_size, llm.model.device), kv_policy="recompute",
+                  mode="lossless", max_pending=3)
     seq, _ = run(llm, dec, ids, params, random_forcing(seed=0, rate=0.5))
     assert seq.output_ids == full
 

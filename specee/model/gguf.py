@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 
 from .config import ModelConfig, UnsupportedModelError
 from .gguf_blocks import GGUFWeight, all_finite
-from .gguf_header import Header
+from .gguf_header import READ_ERRORS, Header
 from .weights import CheckpointError
 
 # GGUF `general.architecture` -> the transformers class name specee's ModelConfig uses
@@ -88,7 +87,7 @@ def _open_gguf(path: Path, _mtime_ns: int, _size: int) -> GGUFFile:
         raise ImportError("reading GGUF files needs the gguf package: pip install 'specee[gguf]'") from None
     try:
         header = Header(path)
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error, RecursionError) as e:
+    except READ_ERRORS as e:
         detail = " ".join(str(e).split()) or type(e).__name__
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt: {detail})") from None
     tokens = header.array_lengths.get("tokenizer.ggml.tokens")

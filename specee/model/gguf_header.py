@@ -22,6 +22,8 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 # GGUF value types: struct code of the fixed-size ones; 8 is a string, 9 an array
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
+# what reading a truncated or corrupt header raises (struct past the end, bad UTF-8, runaway nesting, ...)
+READ_ERRORS = (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error, RecursionError)
 NUMPY_ITEMS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                "I32": np.int32, "I64": np.int64}  # every other type's data is its raw bytes (uint8)
 
