@@ -9,8 +9,9 @@ import torch
 
 
 def device_time(device: torch.device) -> float:
-    """perf_counter once the device has finished the work queued so far. A sync on CUDA: for
-    request boundaries (prefill, end of decode), not for every step."""
+    """perf_counter once the device has finished the work queued so far. A sync on CUDA: the engine
+    reads it at each step's start and end, where the host reads of the step before and of this one
+    have already waited for the device, and around a drafter's work; never between a step's layers."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()

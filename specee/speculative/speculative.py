@@ -167,9 +167,9 @@ class SpeculativeDecoding(FullDepth):
         st, params, model = r.state, r.seq.params, self.model
         st.start = n = r.cache.length
         room = self.room(r) if self.drafting else 0  # no drafts: full depth's row
-        t0 = device_time(model.device)
         last = torch.tensor([r.last], device=model.device)
         if st.plain and room > 0:  # not drafted with the others in begin_step
+            t0 = device_time(model.device)
             if self.grower is not None and room >= self.grower.shape.depth:
                 st.tree = self.grower.grow(last, st.drafter, [st.drafter])[0]
             if st.tree is None:
