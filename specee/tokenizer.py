@@ -147,12 +147,12 @@ def gguf_tokenizer_cache(path: Path) -> Path:
     bytes (all the conversion reads), and by the transformers and tokenizers versions that convert and
     read it. Not by the file's path or date: a copy, a move or a download again finds the same entry,
     where a key by path left a new 2 MB file in the cache for every temporary copy a test wrote."""
-    from .model.gguf_header import READ_ERRORS, Header
+    from .model.gguf import open_gguf
+    from .model.weights import CheckpointError
 
     try:
-        header = Header(path)
-        digest = hashlib.sha256(header.buf[: header.metadata_end])
-    except READ_ERRORS:  # unreadable: the conversion that follows says why
+        digest = hashlib.sha256(open_gguf(path).metadata_digest.encode())
+    except CheckpointError:  # unreadable: the conversion that follows says why
         digest = hashlib.sha256(str(path).encode())
     for package in ("transformers", "tokenizers"):
         try:
@@ -163,7 +163,7 @@ def gguf_tokenizer_cache(path: Path) -> Path:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_gguf(path: Path, mtime_ns: int, size: int) -> tuple[HFTokenizer, dict[str, Any], Any]:
+def _cached_gguf(path: Path, _mtime_ns: int, _size: int) -> tuple[HFTokenizer, dict[str, Any], Any]:
     stored = gguf_tokenizer_cache(path)
     try:
         saved = json.loads(stored.read_text())

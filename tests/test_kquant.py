@@ -163,7 +163,7 @@ def test_the_repack_adds_no_byte_and_refuses_other_types():
         KQuantLinear([q5k], None, kernel())
     with pytest.raises(RuntimeError, match="GGML type 13 has no kquant.cpp layout"):
         out = torch.empty(q5k.data.size, dtype=torch.uint8)
-        kernel().kquant_repack(torch.from_numpy(q5k.data), int(T.Q5_K), 256, out)
+        kernel().kquant_repack(torch.from_numpy(q5k.data), int(T.Q5_K), 256, out, 0)
 
 
 def test_auto_runs_k_quant_parts_as_stored_and_other_parts_as_before(int8):
@@ -200,14 +200,12 @@ def test_greedy_k_quant_gguf_model_equals_its_fake_quantized_twin(tmp_path, leve
 
 def test_a_tile_entry_outside_the_packed_bytes_is_refused(monkeypatch):
     """The tiles are checked once, when the linear is built (not in every product of the decode loop)."""
-    import specee.model.quant_gguf as quant_gguf
-
     w = random_blocks(T.Q4_K, 32, 256, seed=0)
     assert KQuantLinear([w], None, kernel()).tiles.shape == (2, 4)
-    real = quant_gguf.tile_rows
+    real = kernel().kquant_repack
 
-    def past_the_end(w, at):
-        return [(base + w.data.size, *rest) for base, *rest in real(w, at)]
-    monkeypatch.setattr(quant_gguf, "tile_rows", past_the_end)
+    def past_the_end(blocks, qtype, K, out, at):  # the repack's tile entries moved past the packed bytes
+        return real(blocks, qtype, K, out, at + out.numel())
+    monkeypatch.setattr(kernel(), "kquant_repack", past_the_end)
     with pytest.raises(RuntimeError, match="tile 0 is not a Q4_K, Q6_K, Q5_0 or Q8_0 tile of K = 256 inside the packed bytes"):
         KQuantLinear([w], None, kernel())

@@ -69,11 +69,12 @@ class GGUFFile:
     tensors: list
     data_offset: int
     vocab_size: int | None  # tokens in the file's tokenizer, if it has one
+    metadata_digest: str  # sha256 of the metadata's bytes: what its converted tokenizer is stored by
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """A memory-mapped GGUF file (kept for a few files: parsing a vocabulary's metadata takes seconds);
-    a truncated or corrupt file is a one-line CheckpointError."""
+    """A memory-mapped GGUF file (kept for a few files: the tokenizer's store and the loader read the
+    same one); a truncated or corrupt file is a one-line CheckpointError."""
     path = Path(path)
     stat = path.stat()
     return _open_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
@@ -91,7 +92,8 @@ def _open_gguf(path: Path, _mtime_ns: int, _size: int) -> GGUFFile:
         detail = " ".join(str(e).split()) or type(e).__name__
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt: {detail})") from None
     tokens = header.array_lengths.get("tokenizer.ggml.tokens")
-    return GGUFFile(header.metadata, header.tensors, header.data_offset, tokens)
+    digest = hashlib.sha256(header.buf[: header.metadata_end]).hexdigest()
+    return GGUFFile(header.metadata, header.tensors, header.data_offset, tokens, digest)
 
 
 def config_from_gguf(gguf_file: GGUFFile, source: str | Path) -> ModelConfig:

@@ -171,8 +171,7 @@ def gguf_int4_codes(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         zeros = (8 * d.reshape(N, -1, 1) * sc - dmin.reshape(N, -1, 1) * m).reshape(N, -1)
     else:
         raise ValueError(f"{w.qtype.name} blocks are not int4 groups (only Q4_0, Q4_1, Q4_K are)")
-    codes = block_codes(w)
-    q = torch.from_numpy(codes)
+    q = torch.from_numpy(block_codes(w))
     scales = torch.from_numpy(np.ascontiguousarray(scales, np.float32))
     zeros = torch.zeros_like(scales) if zeros is None else torch.from_numpy(np.ascontiguousarray(zeros, np.float32))
     return q, scales, zeros

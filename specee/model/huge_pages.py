@@ -65,9 +65,9 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
     """Move the storage behind each CPU tensor onto advised pages, in place (`Tensor.set_`; those there
-    already stay): every
-    holder of these tensor objects follows, tensors sharing a storage keep sharing it, and nothing
-    else changes (same values, shapes and strides). Call it before anything keeps a raw pointer."""
+    already stay): every holder of these tensor objects follows, tensors sharing a storage keep
+    sharing it, and nothing else changes (same values, shapes and strides). Call it before anything
+    keeps a raw pointer."""
     storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for t in tensors:
         if t.device.type == "cpu" and t.numel() and not on_huge_pages(t):

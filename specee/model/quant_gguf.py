@@ -14,7 +14,6 @@ from .gguf_blocks import GGUFWeight
 from .quant import QuantizationError, _KernelLinear, _present
 
 TILE = 16  # outputs per tile: one 16-lane vector
-GROUP = 4  # tiles whose super-blocks interleave (kquant.cpp's kGroupTiles)
 BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q5_0": 32, "Q8_0": 32}  # what kquant.cpp runs: inputs per block
 
 
@@ -37,14 +36,6 @@ def kernel_for(parts: list, device: torch.device):
     return kernel if kernel is not None and ACTIVATIONS[kernel.int4_activations()] == "int8" else None
 
 
-def tile_rows(w: GGUFWeight, at: int) -> list[tuple[int, int, int, int]]:
-    """kquant_check's entries for w's tiles when its bytes start at `at` of the packed buffer: per
-    tile (byte offset of its group, GGUF type, tiles in the group, its place there)."""
-    tiles, tile_bytes = w.shape[0] // TILE, TILE * w.data.shape[1]  # a tile: as many bytes as its 16 rows'
-    return [(at + g0 * tile_bytes, int(w.qtype), min(GROUP, tiles - g0), j)
-            for g0 in range(0, tiles, GROUP) for j in range(min(GROUP, tiles - g0))]
-
-
 class KQuantLinear(_KernelLinear):
     """Fused GGUF parts (q/k/v, gate/up, or one matrix) of types Q4_K / Q6_K / Q5_0 / Q8_0, each
     tile of 16 outputs run by its own type's kernel; keeps the parts (memory-mapped blocks) for rows
@@ -59,12 +50,11 @@ class KQuantLinear(_KernelLinear):
         # written once, where it stays (a copy onto huge pages took Qwen2.5-Coder-1.5B's load 2 s)
         self.packed = huge_pages.empty((sum(p.data.size for p in parts),), torch.uint8, torch.device("cpu"))
         tiles, at = [], 0
-        for p in parts:
-            blocks = p._table().contiguous()  # the file's bytes as a tensor, no copy
-            kernel.kquant_repack(blocks, int(p.qtype), self.in_features, self.packed[at:at + p.data.size])
-            tiles += tile_rows(p, at)
+        for p in parts:  # the file's bytes (a tensor, no copy) repacked; each tile's entry for kquant_mm
+            tiles.append(kernel.kquant_repack(p._table().contiguous(), int(p.qtype), self.in_features,
+                                              self.packed[at:at + p.data.size], at))
             at += p.data.size
-        self.tiles = torch.tensor(tiles, dtype=torch.int64)
+        self.tiles = torch.cat(tiles)
         kernel.kquant_check(self.packed, self.tiles, self.in_features)  # once here, not in every product
 
     def _kernel_input(self, x2d: torch.Tensor) -> torch.Tensor:

@@ -338,8 +338,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_mm", &kquant_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_check", &kquant_check);
-  m.def("kquant_repack", [](const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tensor out) {
-    kquant_repack(blocks, qtype, K, out);
+  m.def("kquant_repack", [](const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tensor out, int64_t at) {
+    return kquant_repack(blocks, qtype, K, out, at);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("row_attention_available", &row_attention_available);
   m.def("greedy_rows", &greedy_rows);

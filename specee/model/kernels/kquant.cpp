@@ -38,7 +38,6 @@
 namespace {
 
 using specee_int4::kGroup;
-constexpr int64_t kQ50 = 6, kQ80 = 8, kQ4K = 12, kQ6K = 14;  // GGUF type numbers
 constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // a tile's bytes per 256 inputs
 constexpr int64_t kQ5Bytes = 352, kQ8Bytes = 544;  // per 32 inputs
 // Q5_0 / Q8_0: blocks ahead prefetched (4 tiles' blocks: 1.4 / 2.2 KB each). Qwen2.5-0.5B's gate/up
@@ -51,7 +50,6 @@ constexpr int64_t kPrefetchBlocks = 16;
 constexpr int64_t kSuperBlocksAhead = 2;
 #define SPECEE_KQ_INLINE __attribute__((always_inline)) inline  // the body's parts: registers, not memory
 constexpr int kMaxRows = 4;  // rows sharing a tile's unpacking (more would spill the accumulators)
-constexpr int kGroupTiles = 4;  // tiles per group (model/quant_gguf.py GROUP) and parallel task
 
 // Quantized activations of some rows: q [R][K] int8 (read 4 at a time), per block of 32 the step
 // dx and dx times the block's sum of q, and the int32 sums of q per 16 inputs.

@@ -19,9 +19,7 @@
 
 namespace {
 
-enum : int64_t { kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
-constexpr int kLanes = 16;       // outputs in a tile
-constexpr int64_t kGroupTiles = 4;  // tiles whose blocks interleave
+constexpr int kLanes = 16;  // outputs in a tile
 
 struct Format {
   int64_t inputs, bytes;  // one block in the file
@@ -30,10 +28,10 @@ struct Format {
 
 Format format(int64_t qtype) {
   switch (qtype) {
-    case kQ8_0: return {32, 34, 8, 32};
-    case kQ5_0: return {32, 22, 5, 32};
-    case kQ4_K: return {256, 144, 36, 0};
-    case kQ6_K: return {256, 210, 52, 32};
+    case kQ80: return {32, 34, 8, 32};
+    case kQ50: return {32, 22, 5, 32};
+    case kQ4K: return {256, 144, 36, 0};
+    case kQ6K: return {256, 210, 52, 32};
   }
   TORCH_CHECK(false, "kquant_repack: GGML type ", qtype, " has no kquant.cpp layout (Q5_0, Q8_0, Q4_K, Q6_K do)");
 }
@@ -41,10 +39,10 @@ Format format(int64_t qtype) {
 // The unsigned codes of one block (32 or 256 inputs) into q.
 void codes(int64_t qtype, const uint8_t* b, uint8_t* q) {
   switch (qtype) {
-    case kQ8_0:
+    case kQ80:
       for (int i = 0; i < 32; ++i) q[i] = b[2 + i] ^ 0x80;
       break;
-    case kQ5_0: {
+    case kQ50: {
       uint32_t fifth;
       std::memcpy(&fifth, b + 2, 4);  // GGUF is little-endian, as every CPU this builds for
       for (int j = 0; j < 16; ++j) {
@@ -53,14 +51,14 @@ void codes(int64_t qtype, const uint8_t* b, uint8_t* q) {
       }
       break;
     }
-    case kQ4_K:
+    case kQ4K:
       for (int r = 0; r < 4; ++r)
         for (int l = 0; l < 32; ++l) {
           q[64 * r + l] = b[16 + 32 * r + l] & 15;
           q[64 * r + 32 + l] = b[16 + 32 * r + l] >> 4;
         }
       break;
-    case kQ6_K:
+    case kQ6K:
       for (int n = 0; n < 2; ++n) {
         const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
         uint8_t* y = q + 128 * n;
@@ -93,12 +91,12 @@ void tile_block(int64_t qtype, const uint8_t* const* raw, uint8_t* tb) {
       for (int o = 0; o < kLanes; ++o) std::memcpy(out + (w * kLanes + o) * word, raw[o] + first + w * word, word);
   };
   switch (qtype) {
-    case kQ8_0:
+    case kQ80:
       for (int c = 0; c < 8; ++c)
         for (int o = 0; o < kLanes; ++o) std::memcpy(tb + 64 * c + 4 * o, q[o] + 4 * c, 4);
       lanes(tb + 512, 0, 2, 2);
       break;
-    case kQ5_0:
+    case kQ50:
       nibbles(1);
       for (int o = 0; o < kLanes; ++o)
         for (int e = 0; e < 4; ++e) {
@@ -108,12 +106,12 @@ void tile_block(int64_t qtype, const uint8_t* const* raw, uint8_t* tb) {
         }
       lanes(tb + 320, 0, 2, 2);
       break;
-    case kQ4_K:
+    case kQ4K:
       nibbles(8);
       lanes(tb + 2048, 4, 12, 4);
       lanes(tb + 2240, 0, 4, 2);
       break;
-    case kQ6_K:
+    case kQ6K:
       nibbles(8);
       for (int b = 0; b < 8; ++b)
         for (int h = 0; h < 2; ++h)
@@ -131,7 +129,7 @@ void tile_block(int64_t qtype, const uint8_t* const* raw, uint8_t* tb) {
 
 }  // namespace
 
-void kquant_repack(const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tensor& out) {
+at::Tensor kquant_repack(const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tensor& out, int64_t at) {
   const Format f = format(qtype);
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "kquant_repack: blocks must be contiguous uint8 [N, bytes per row]");
@@ -143,12 +141,18 @@ void kquant_repack(const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tenso
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t tiles = N / kLanes, tile_bytes = kLanes * f.bytes;  // a tile-block: as many bytes as the file's
+  at::Tensor entries = at::empty({tiles, 4}, at::kLong);
+  int64_t* entry = entries.data_ptr<int64_t>();
   at::parallel_for(0, (tiles + kGroupTiles - 1) / kGroupTiles, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> tb(kGroupTiles * tile_bytes);
     const uint8_t* raw[kLanes];
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t t0 = g * kGroupTiles, n = std::min(kGroupTiles, tiles - t0);
+      const int64_t t0 = g * kGroupTiles, n = std::min<int64_t>(kGroupTiles, tiles - t0);
       uint8_t* o = dst + t0 * S * tile_bytes;
+      for (int64_t j = 0; j < n; ++j) {  // (byte offset of the group, type, tiles in it, place)
+        int64_t* e = entry + 4 * (t0 + j);
+        e[0] = at + t0 * S * tile_bytes, e[1] = qtype, e[2] = n, e[3] = j;
+      }
       for (int64_t s = 0; s < S; ++s) {
         for (int64_t j = 0; j < n; ++j) {
           for (int l = 0; l < kLanes; ++l) raw[l] = src + ((t0 + j) * kLanes + l) * row + s * f.bytes;
@@ -161,4 +165,5 @@ void kquant_repack(const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tenso
       }
     }
   });
+  return entries;
 }
