@@ -1,7 +1,8 @@
 """What decoding costs on a GPU, on a random-weight Llama-2-7B-shaped model (nothing to download).
 
 Reports, for the engine core on the device and dtype given:
-  - full-depth decode tokens/s through the engine with 1 and 8 requests (greedy, EOS ignored);
+  - full-depth decode tokens/s through the engine with 1 and 8 requests (greedy, EOS ignored), on
+    CUDA both with decode steps replayed from CUDA graphs (engine/cuda_graphs.py) and without;
   - host reads per engine step (every tensor read back: one per step is the design);
   - a verification pass over 1, 2, 4 and 8 chain rows, each as a ratio of one row;
   - the exit predictors' cost per checked layer (features + MLP + the decision's read).
@@ -71,9 +72,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def engine_decode(model: Transformer, requests: int, prompt: int, tokens: int) -> dict:
-    """Decode tokens/s (aggregate) and host reads per step of `requests` concurrent requests."""
+def engine_decode(model: Transformer, requests: int, prompt: int, tokens: int, graphs: bool = True) -> dict:
+    """Decode tokens/s (aggregate) and host reads per step of `requests` concurrent requests; graphs:
+    whether decode steps replay CUDA graphs (engine/cuda_graphs.py; on CUDA) or launch each kernel."""
     engine = Engine(model, kv_cache_memory=requests * (prompt + tokens + 16))
+    if not graphs:
+        engine.runner.graphs = None
     quiet = SimpleNamespace(decode=lambda ids: "")  # no text is needed
     g = torch.Generator().manual_seed(1)
     seqs = [Sequence([], torch.randint(3, model.cfg.vocab_size, (prompt,), generator=g).tolist(),
@@ -90,7 +94,8 @@ def engine_decode(model: Transformer, requests: int, prompt: int, tokens: int) -
     sync(model.device)
     seconds = time.perf_counter() - t0
     decoded = sum(len(s.output_ids) - 1 for s in seqs)
-    return {"requests": requests, "tokens_per_second": round(decoded / seconds, 2),
+    return {"requests": requests, "graphs": engine.runner.graphs is not None,
+            "tokens_per_second": round(decoded / seconds, 2),
             "host_reads_per_step": round(sum(reads.values()) / max(steps, 1), 2)}
 
 
@@ -148,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = random_model(args.shape, device, dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     report = {"device": name, "dtype": args.dtype, "shape": args.shape,
-              "decode": [engine_decode(model, n, args.prompt, args.tokens) for n in (1, 8)],
+              "decode": [engine_decode(model, n, args.prompt, args.tokens, graphs)
+                         for graphs in ((True, False) if device.type == "cuda" else (False,)) for n in (1, 8)],
               "verification": verification_cost(model, args.prompt, args.repeats),
               "predictors": predictor_cost(model, args.repeats)}
     print(json.dumps(report, indent=1))

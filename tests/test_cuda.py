@@ -14,6 +14,7 @@ from ee_helpers import EXIT_MODES, AllTokensDrafter, constant_bank, decoder, exi
 from specee import LLM, SamplingParams
 from specee.calibration import calibrate
 from specee.drafters import DraftModelDrafter, NGramDrafter
+from specee.engine import cuda_graphs
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none)")]
@@ -100,3 +101,19 @@ def test_gpu_cost_benchmark_reads_the_host_once_per_step():
 
     report = gpu_cost.main(["--device", "cuda", "--shape", "tiny", "--tokens", "8", "--repeats", "3"])
     assert all(d["host_reads_per_step"] == 1.0 for d in report["decode"])
+
+
+def test_cuda_graphs_replay_decode_steps_with_the_eager_tokens(checkpoints, monkeypatch):
+    """Decode steps replayed from CUDA graphs (engine/cuda_graphs.py) give the tokens of the same steps
+    launched one kernel at a time: one request and a batch in which requests finish at different
+    steps (new keys), and a request whose cache crosses buckets of slots mid-decode."""
+    monkeypatch.setattr(cuda_graphs, "BUCKET", 64)
+    llm = LLM(checkpoints[0], device="cuda", dtype="float32")
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (200, 7, 40, 3)]
+    graphed = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    alone = llm.generate(PROMPTS[0], params[0])[0].token_ids
+    graphs = llm.engine.runner.graphs
+    assert graphs.replays > 180 and len(graphs.graphs) >= 5
+    llm.engine.runner.graphs = None
+    assert graphed == [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert alone == graphed[0]

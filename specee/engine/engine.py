@@ -20,6 +20,7 @@ import torch
 from ..clock import device_time
 from ..model.llama import Transformer
 from ..sampling import NONFINITE_TOKEN, sample
+from .cuda_graphs import DecodeGraphs
 from .decoding import FullDepth
 from .kv_manager import KVCacheManager, parse_kv_budget
 from .runner import ModelRunner, Segment
@@ -37,7 +38,7 @@ class Engine:
             raise ValueError(f"max_num_seqs (--max-num-seqs) must be a positive integer, got {max_num_seqs!r}")
         self.model = model
         self.decoding = decoding or FullDepth(model)
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, DecodeGraphs(model) if model.device.type == "cuda" else None)
         self.kv = KVCacheManager(model.cfg, model.device, model.kv_dtype,
                                  parse_kv_budget(kv_cache_memory, model.cfg, model.kv_dtype))
         self.scheduler = Scheduler(self.kv, model.cfg.context_limit, self.decoding.extra_rows, max_num_seqs,

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..model.kv_cache import KVCache
 from ..model.llama import RaggedInputs, StepInputs, Transformer
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
 
 
 class LayerHooks(Protocol):
@@ -83,8 +86,10 @@ def run_checks(checks: dict[int, Generator[torch.Tensor, list[int], bool]]) -> d
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, graphs: DecodeGraphs | None = None):
+        """graphs: CUDA graphs that serve the steps of plain decode rows (engine/cuda_graphs.py), or None."""
         self.model = model
+        self.graphs = graphs
 
     def forward(self, segments: list[Segment], feature_layers: tuple[int, ...] = ()
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -96,6 +101,10 @@ class ModelRunner:
             return h, None, rows
         model = self.model
         rows = [s.tokens.shape[0] for s in segments]
+        if self.graphs is not None and not feature_layers:
+            h = self.graphs.forward(segments)
+            if h is not None:
+                return h, None, rows
         batch = ragged_inputs(segments, [s.step for s in segments], rows)
         tokens = torch.cat([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
         h = model.embed(tokens[None, :])
