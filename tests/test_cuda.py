@@ -105,15 +105,15 @@ def test_gpu_cost_benchmark_reads_the_host_once_per_step():
 
 def test_cuda_graphs_replay_decode_steps_with_the_eager_tokens(checkpoints, monkeypatch):
     """Decode steps replayed from CUDA graphs (engine/cuda_graphs.py) give the tokens of the same steps
-    launched one kernel at a time: one request and a batch in which requests finish at different
-    steps (new keys), and a request whose cache crosses buckets of slots mid-decode."""
+    launched one kernel at a time: a batch whose requests finish at different steps (new keys), a
+    request whose cache crosses buckets of slots mid-decode, and one alone at the batch's place."""
     monkeypatch.setattr(cuda_graphs, "BUCKET", 64)
     llm = LLM(checkpoints[0], device="cuda", dtype="float32")
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (200, 7, 40, 3)]
     graphed = [o.token_ids for o in llm.generate(PROMPTS, params)]
     alone = llm.generate(PROMPTS[0], params[0])[0].token_ids
     graphs = llm.engine.runner.graphs
-    assert graphs.replays > 180 and len(graphs.graphs) >= 5
+    assert graphs.replays > 180 and len(graphs.graphs) >= 4
     llm.engine.runner.graphs = None
     assert graphed == [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert alone == graphed[0]

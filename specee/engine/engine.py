@@ -38,9 +38,9 @@ class Engine:
             raise ValueError(f"max_num_seqs (--max-num-seqs) must be a positive integer, got {max_num_seqs!r}")
         self.model = model
         self.decoding = decoding or FullDepth(model)
-        self.runner = ModelRunner(model, DecodeGraphs(model) if model.device.type == "cuda" else None)
         self.kv = KVCacheManager(model.cfg, model.device, model.kv_dtype,
                                  parse_kv_budget(kv_cache_memory, model.cfg, model.kv_dtype))
+        self.runner = ModelRunner(model, DecodeGraphs(model, self.kv) if model.device.type == "cuda" else None)
         self.scheduler = Scheduler(self.kv, model.cfg.context_limit, self.decoding.extra_rows, max_num_seqs,
                                    max_num_batched_tokens)
 

@@ -63,10 +63,12 @@ class KVCacheManager:
         self.num_blocks = max(1, self.blocks_for(max_tokens))
         slots = self.num_blocks * BLOCK_SIZE
         shape = (cfg.num_layers, 1, cfg.num_kv_heads, slots, cfg.head_dim)
-        # uninitialised (untouched memory costs nothing): `allocate` zeroes a run before handing it out;
-        # on huge pages, which attention's reads stream as the weights' do (model/huge_pages.py)
-        self.k = huge_pages.empty(shape, dtype, device)
-        self.v = huge_pages.empty(shape, dtype, device)
+        # on the CPU uninitialised (untouched memory costs nothing): `allocate` zeroes a run before handing
+        # it out; on huge pages, which attention's reads stream as the weights' do (model/huge_pages.py).
+        # On a GPU zeros: a graphed decode step reads the slots between its requests' runs, masked but
+        # multiplied (engine/cuda_graphs.py)
+        self.k, self.v = (huge_pages.empty(shape, dtype, device) if device.type == "cpu"
+                          else torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
         self.filled = torch.zeros(cfg.num_layers, 1, slots, dtype=torch.bool, device=device)
         self.slot_ids = torch.arange(slots, device=device)
         self.free_runs: list[tuple[int, int]] = [(0, self.num_blocks)]  # (first block, blocks), by first block
