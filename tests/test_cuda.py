@@ -44,6 +44,8 @@ def test_every_engine_mode_on_cuda(checkpoints, config, dtype):
     full = LLM(target, device="cuda", dtype=dtype)
     together = [o.token_ids for o in cuda.generate(PROMPTS, params)]
     assert not torch.backends.cuda.cudnn_sdp_enabled()  # its per-length plans cost ~90 ms a decode step
+    if config is None or config["method"] == "draft_model" and "tree" not in config:  # decode rows, chains
+        assert cuda.engine.runner.graphs.replays > 0
     assert together == [o.token_ids for o in full.generate(PROMPTS, params)]  # lossless, batched
     if dtype == "float32":
         cpu = LLM(target, dtype="float32", quantization=None)
