@@ -58,7 +58,7 @@ class SpanBatch:
     def load(self, segments: list[Segment], starts: list[int]) -> None:
         """Copy the step's rows in; starts: each segment's run start in the span."""
         per_row = [a for a, s in zip(starts, segments) for _ in range(s.tokens.shape[0])]
-        self.starts.copy_(torch.tensor(per_row), non_blocking=True)
+        self.starts.copy_(torch.tensor(per_row))
         torch.cat([s.tokens for s in segments], out=self.tokens)
         torch.cat([s.step.cos for s in segments], dim=1, out=self.cos)
         torch.cat([s.step.sin for s in segments], dim=1, out=self.sin)
@@ -77,9 +77,12 @@ class SpanBatch:
 
 
 class DecodeGraphs:
+    """The graphs of one engine's steps, keyed by (first slot, span, rows), over its KV pool."""
+
     def __init__(self, model: Transformer, kv: KVCacheManager):
         self.model, self.kv = model, kv
-        self.graphs: OrderedDict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, SpanBatch, torch.Tensor]] = OrderedDict()
+        self.graphs: OrderedDict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, SpanBatch, torch.Tensor]]
+        self.graphs = OrderedDict()
         self.seen: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # keys met once, the latest last
         self.pool = torch.cuda.graph_pool_handle()
         self.slot_bytes = kv.k.stride(3) * kv.k.element_size()
@@ -106,33 +109,36 @@ class DecodeGraphs:
             return None
         first, span, starts = where
         key = (first, span, sum(s.tokens.shape[0] for s in segments))
-        if key not in self.graphs:
+        entry = self.graphs.get(key)
+        if entry is None:
             if key not in self.seen:
                 self.seen[key] = None
                 if len(self.seen) > 4 * KEEP:
                     self.seen.popitem(last=False)
                 return None
             del self.seen[key]
-            self.graphs[key] = self._capture(SpanBatch(self.model, self.kv, *key), segments, starts)
+            batch = SpanBatch(self.model, self.kv, *key)
+            batch.load(segments, starts)
+            entry = self.graphs[key] = self._capture(batch)
             if len(self.graphs) > KEEP:
                 self.graphs.popitem(last=False)
-        graph, batch, out = self.graphs[key]
-        self.graphs.move_to_end(key)
-        batch.load(segments, starts)
+        else:
+            entry[1].load(segments, starts)
+            self.graphs.move_to_end(key)
+        graph, _, out = entry
         graph.replay()
         self.replays += 1
         return out
 
-    def _capture(self, batch: SpanBatch, segments: list[Segment], starts: list[int]
-                 ) -> tuple[torch.cuda.CUDAGraph, SpanBatch, torch.Tensor]:
+    def _capture(self, batch: SpanBatch) -> tuple[torch.cuda.CUDAGraph, SpanBatch, torch.Tensor]:
+        """Record the batch's forward (its inputs loaded) as a graph."""
         device = self.model.device
-        batch.load(segments, starts)
         side = torch.cuda.Stream(device)  # a first run off the capture: lazy initialisations (cuBLAS) happen here
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             batch.forward()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # other threads may use the GPU
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # other threads may run
             out = batch.forward()
         return graph, batch, out

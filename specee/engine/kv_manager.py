@@ -67,8 +67,11 @@ class KVCacheManager:
         # it out; on huge pages, which attention's reads stream as the weights' do (model/huge_pages.py).
         # On a GPU zeros: a graphed decode step reads the slots between its requests' runs, masked but
         # multiplied (engine/cuda_graphs.py)
-        self.k, self.v = (huge_pages.empty(shape, dtype, device) if device.type == "cpu"
-                          else torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        if device.type == "cpu":
+            self.k, self.v = huge_pages.empty(shape, dtype, device), huge_pages.empty(shape, dtype, device)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.filled = torch.zeros(cfg.num_layers, 1, slots, dtype=torch.bool, device=device)
         self.slot_ids = torch.arange(slots, device=device)
         self.free_runs: list[tuple[int, int]] = [(0, self.num_blocks)]  # (first block, blocks), by first block

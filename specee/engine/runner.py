@@ -6,7 +6,8 @@ verifies) that writes and reads its own cache under its own attention descriptio
 code runs is one rule, in the model (`Transformer.ragged_layer`): the C++ layer for a quantized
 float32 model on the CPU where the kernels build, the Python layer otherwise; both take every
 description a StepInputs carries (causal prefix, chain, tree mask, holes). Without hooks, the layers
-run as one call (`Transformer.ragged_layers`: the C++ stack where it runs).
+run as one call (`Transformer.ragged_layers`: the C++ stack where it runs); on a GPU, a step of
+decode rows and verification chains replays a CUDA graph of that call instead (cuda_graphs.py).
 
 A segment may carry early exit's hooks (`LayerHooks`, engine/early_exit.py): carried rows that
 join it at the layers they resume from, a mask per layer (the skip policy's holes), and a check
@@ -87,7 +88,8 @@ def run_checks(checks: dict[int, Generator[torch.Tensor, list[int], bool]]) -> d
 
 class ModelRunner:
     def __init__(self, model: Transformer, graphs: DecodeGraphs | None = None):
-        """graphs: CUDA graphs that serve the steps of plain decode rows (engine/cuda_graphs.py), or None."""
+        """graphs: the CUDA graphs that serve steps of decode rows and verification chains
+        (engine/cuda_graphs.py), or None."""
         self.model = model
         self.graphs = graphs
 
