@@ -621,6 +621,57 @@ def test_the_gate_plays_the_faster_arm_per_batch_size_and_keeps_trying_the_other
             assert len(runs) >= 3 and all(g >= 21 for g in gaps), gaps
 
 
+@pytest.mark.parametrize("drafts_rate", [300.0, 560.0])
+def test_tries_of_drafts_that_lose_widely_grow_rarer_past_max_gap(drafts_rate):
+    """At batch 8, drafts at half of plain steps' rate (a wide loss, beyond the margin of 1.25) are
+    tried ever more rarely, the gap doubling past max_gap (32); drafts that lose narrowly (560 against
+    600 tokens/s) may turn soon, so their tries keep coming every max_gap steps. (8 SmolLM2 requests:
+    n-gram drafts at 0.6-0.7x of plain steps, tried every 64 steps, cost 3.5% of decode speed.)"""
+    from specee.speculative.gate import SpeculationGate
+
+    gate = SpeculationGate(explore=8, max_gap=32, warmup=(4, 2))
+    play(gate, 1, 40, lambda on, _: (200 if on else 100, 1.0))  # batch 1 measured first: batch 8 starts plain
+    choices = play(gate, 8, 400, lambda on, _: (int(drafts_rate) if on else 600, 1.0))
+    runs = tries(choices, False)
+    gaps = [b - a for (a, _), (b, _) in zip(runs, runs[1:])]
+    if drafts_rate < 600 / 1.25:
+        assert len(runs) <= 5 and gaps == sorted(gaps) and gaps[-1] > 2 * 32, gaps  # 21, 41, 81, 161
+    else:
+        assert len(runs) >= 10 and max(gaps) <= 32 + 2, gaps
+
+
+def test_a_step_where_no_request_has_room_to_draft_is_not_measured_as_drafting(tiny_llm):
+    """Requests at their last token cannot draft: such a step costs what a plain one does. Counted
+    as drafting's, 8 SmolLM2 requests ending together made drafts look cheap, and the next batch
+    drafted at a loss for 12 steps before the measurement decayed."""
+    llm = tiny_llm("llama2")
+    model, params = llm.model, SamplingParams(max_tokens=6, ignore_eos=True)
+    ids = llm.tokenizer.encode("a b a b a b a b")
+    greedy = llm.generate([ids], params)[0].token_ids
+    # every draft rejected, so each step emits one token and the last one has no room left
+    decoding = SpeculativeDecoding(model, ScriptedDrafter(len(ids), greedy, model.cfg.vocab_size, shift=1), 3)
+    decoding.gate.begin_step = lambda batch_size, pending=0: True  # always drafting
+    measured, without_room = [], []
+    begin_step = decoding.begin_step
+
+    def end_step(tokens, seconds):
+        measured.append(decoding.no_room)
+
+    def begin(batch):
+        begin_step(batch)
+        without_room.append(decoding.no_room)
+    decoding.gate.end_step, decoding.begin_step = end_step, begin
+    engine = Engine(model, decoding)
+    seqs = [Sequence(ids, list(ids), params, llm.tokenizer, frozenset()) for _ in range(2)]  # drafted together
+    for seq in seqs:
+        engine.add_request(seq)
+    while engine.has_unfinished():
+        engine.step()
+    assert all(seq.output_ids == greedy for seq in seqs)
+    assert without_room == [False] * 5 + [True]  # the prefill, 4 decode steps that drafted, the last token's
+    assert measured == [False] * 4  # the gate measured the 4, not the last
+
+
 def test_a_drafting_step_after_plain_ones_is_not_what_drafting_costs():
     """A draft model first catches up on the tokens it skipped: that step costs 10 s here, the next
     ones 1 s for 200 tokens against plain steps' 150. The gate measures the step after the switch,

@@ -18,8 +18,11 @@ tokens: 0.63x of full depth's decode with drafts explored twice after losing alo
   n-gram drafter has nothing to catch up on, but measuring its first step too (a one-step try) lost
   on two AMD EPYCs: n-gram / full depth at 8 SmolLM2 requests 0.86-0.96x against 0.92-1.14x with
   two-step tries (cheaper tries come more often, and one lucky step flips the arm);
-- the gap between tries doubles while the same arm wins, and is at least what keeps a losing
-  try's excess time under `explore_share` of the steps between tries;
+- the gap between tries doubles while the same arm wins, up to `max_gap`, and is at least what
+  keeps a losing try's excess time under `explore_share` of the steps between tries. While drafts
+  lose by more than `margin` it keeps doubling (up to `longest_gap`): a wide loss seldom turns, and
+  tries every `max_gap` steps cost 8 SmolLM2 requests 3.5% of their decode speed (n-gram drafts ran
+  0.6-0.7x of plain steps there; with the gate held off, 1.01x of full depth: the tries were all of it);
 - a larger batch seen for the first time starts without drafts once a smaller one has been
   measured, and tries them after `explore` steps where they won there by `margin`, else after
   `max_gap` steps at least (extra rows only cost more as the batch grows, so a narrow win turns
@@ -172,10 +175,12 @@ class SpeculationGate:
             self.tried(b)
 
     def tried(self, b: Bucket) -> None:
-        """A try is over: the gap to the next one doubles, and where drafts lost, also keeps the try's
-        excess time (over what plain steps take for its tokens) within `explore_share` of the gap."""
+        """A try is over: the gap to the next one doubles (past `max_gap` while drafts lose by more
+        than `margin`), and where drafts lost, also keeps the try's excess time (over what plain steps
+        take for its tokens) within `explore_share` of the gap."""
         b.trying, b.since = False, 0
-        gap = min(2 * b.gap, self.max_gap)
+        drafts_lost_widely = not b.best and self.margin * b.spec.rate() < b.plain.rate()
+        gap = min(2 * b.gap, self.longest_gap if drafts_lost_widely else self.max_gap)
         if b.tried_tokens and b.plain.tokens and b.spec.rate() < b.plain.rate():
             plain_step = b.plain.seconds / b.plain.weight
             excess = b.tried_seconds - b.tried_tokens / b.plain.rate()

@@ -105,6 +105,7 @@ class SpeculativeDecoding(FullDepth):
         self.gate = SpeculationGate() if gated else None
         self.drafting = True  # this step's requests draft (the gate's choice)
         self.pending, self.draft_seconds = 0, 0.0  # this step's tokens the drafters ran first, and drafting's time
+        self.no_room = False  # no request of this step could draft (each at its last token)
 
     def begin_step(self, batch: list[Running]) -> None:
         """The gate's choice for this batch size; then every decoding request's tree, or chain, in one
@@ -114,6 +115,7 @@ class SpeculativeDecoding(FullDepth):
         self.drafting = self.gate is None or self.gate.begin_step(len(decoding), self.pending)
         self.draft_seconds = 0.0
         ready = [r for r in decoding if self.room(r) > 0]
+        self.no_room = bool(decoding) and not ready
         if not self.drafting or len(decoding) < 2 or not ready:
             return
         t0 = device_time(self.model.device)
@@ -140,7 +142,10 @@ class SpeculativeDecoding(FullDepth):
         return r.seq.params.max_tokens - len(r.seq.output_ids) - 1
 
     def end_step(self, tokens: int, seconds: float) -> None:
-        if self.gate is not None:
+        # a step whose requests all had no room left to draft (their last token) costs what a plain
+        # step does: counted as drafting's, 8 requests ending together made drafts look cheap, and
+        # the next batch drafted at a loss for 12 steps before the measurement decayed
+        if self.gate is not None and not (self.drafting and self.no_room):
             if self.drafting:
                 self.gate.drafted(self.pending, self.draft_seconds)
             self.gate.end_step(tokens, seconds)
