@@ -21,8 +21,8 @@ tokens: 0.63x of full depth's decode with drafts explored twice after losing alo
 - the gap between tries doubles while the same arm wins, up to `max_gap`, and is at least what
   keeps a losing try's excess time under `explore_share` of the steps between tries. While drafts
   lose by more than `margin` it keeps doubling (up to `longest_gap`): a wide loss seldom turns, and
-  tries every `max_gap` steps cost 8 SmolLM2 requests 3.5% of their decode speed (n-gram drafts ran
-  0.6-0.7x of plain steps there; with the gate held off, 1.01x of full depth: the tries were all of it);
+  tries every `max_gap` steps cost 8 SmolLM2 requests about 3.5% of their decode speed (n-gram
+  drafts ran 0.6-0.7x of plain steps there; held off, the speculative path ran as fast as full depth);
 - a larger batch seen for the first time starts without drafts once a smaller one has been
   measured, and tries them after `explore` steps where they won there by `margin`, else after
   `max_gap` steps at least (extra rows only cost more as the batch grows, so a narrow win turns
