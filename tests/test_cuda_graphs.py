@@ -40,8 +40,9 @@ def test_span_batch_rows_equal_the_eager_forward(llm):
     for c, n, t in zip(caches, lengths, tokens):  # the span pass must write them again
         c.k[:, :, :, n : n + t.shape[0]] = 0
         c.v[:, :, :, n : n + t.shape[0]] = 0
-    slot_bytes = kv.k.stride(3) * kv.k.element_size()
-    runs = [(c.k.data_ptr() - kv.k.data_ptr()) // slot_bytes for c in caches]
+    runs = [c.pool_slot for c in caches]
+    slot_bytes = kv.k.stride(3) * kv.k.element_size()  # each run where its storage lies in the pool
+    assert runs == [(c.k.data_ptr() - kv.k.data_ptr()) // slot_bytes for c in caches]
     first, span = min(runs), 160
     batch = SpanBatch(model, kv, first, span, sum(t.shape[0] for t in tokens))
     batch.load(segments, [r - first for r in runs])

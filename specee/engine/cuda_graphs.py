@@ -21,7 +21,6 @@ from collections import OrderedDict
 
 import torch
 
-from ..model.kv_cache import KVCache
 from ..model.llama import StepInputs, Transformer
 from .kv_manager import KVCacheManager
 from .runner import Segment, ragged_inputs
@@ -34,9 +33,9 @@ MAX_ROWS = 16  # a segment's rows at most (a decode row, or a chain of drafts an
 
 def graphable(segments: list[Segment]) -> bool:
     """Whether every segment is a decode row or a verification chain (each row reads its own
-    request's slots up to its own), without early exit's hooks."""
+    request's slots up to its own) over a run of the engine's pool, without early exit's hooks."""
     return all(s.exits is None and s.step.reads in ("all", "chain") and s.tokens.shape[0] <= MAX_ROWS
-               for s in segments)
+               and s.cache.pool_slot is not None for s in segments)
 
 
 class SpanBatch:
@@ -52,8 +51,7 @@ class SpanBatch:
         self.sin = model.cos_table.new_empty(1, rows, 1, D)
         self.slots = torch.empty(rows, dtype=torch.long, device=device)
         self.starts = torch.empty(rows, dtype=torch.long, device=device)
-        window = slice(first, first + span)
-        self.cache = KVCache.over(kv.k[:, :, :, window], kv.v[:, :, :, window], kv.filled[:, :, window], kv.slot_ids)
+        self.cache = kv.view(first, first + span)
 
     def load(self, segments: list[Segment], starts: list[int]) -> None:
         """Copy the step's rows in; starts: each segment's run start in the span."""
@@ -85,7 +83,6 @@ class DecodeGraphs:
         self.graphs = OrderedDict()
         self.seen: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # keys met once, the latest last
         self.pool = torch.cuda.graph_pool_handle()
-        self.slot_bytes = kv.k.stride(3) * kv.k.element_size()
         self.replays = 0  # steps served by a graph (tests and benchmarks read it)
 
     def span(self, segments: list[Segment]) -> tuple[int, int, list[int]] | None:
@@ -93,7 +90,7 @@ class DecodeGraphs:
         where they are not graphable or the span is much longer than what they read."""
         if not graphable(segments):
             return None
-        runs = [(s.cache.k.data_ptr() - self.kv.k.data_ptr()) // self.slot_bytes for s in segments]
+        runs = [s.cache.pool_slot for s in segments]
         first = min(runs)
         end = max(r + s.step.kv_len for r, s in zip(runs, segments))
         span = min(-(-(end - first) // BUCKET) * BUCKET, self.kv.capacity - first)

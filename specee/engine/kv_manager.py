@@ -106,9 +106,13 @@ class KVCacheManager:
                 self.k[:, :, :, lo:hi] = 0
                 self.v[:, :, :, lo:hi] = 0
                 self.filled[:, :, lo:hi] = False
-                return KVCache.over(self.k[:, :, :, lo:hi], self.v[:, :, :, lo:hi], self.filled[:, :, lo:hi],
-                                    self.slot_ids)
+                return self.view(lo, hi)
         return None
+
+    def view(self, lo: int, hi: int) -> KVCache:
+        """A one-row cache over the pool's slots [lo, hi) (a request's run; a graphed step's span)."""
+        return KVCache.over(self.k[:, :, :, lo:hi], self.v[:, :, :, lo:hi], self.filled[:, :, lo:hi],
+                            self.slot_ids, lo)
 
     def free(self, owner: str) -> None:
         """Return `owner`'s run to the pool, merged with free neighbours (a no-op if it has none)."""

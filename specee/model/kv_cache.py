@@ -34,12 +34,16 @@ class KVCache:
         # through the mask; a lone row is filled from slot 0 unless its owner says otherwise
         self.padded = batch_size > 1
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # per-layer views, made once
+        self.pool_slot = None  # storage of its own, in no pool
 
     @classmethod
-    def over(cls, k: torch.Tensor, v: torch.Tensor, filled: torch.Tensor, slot_ids: torch.Tensor) -> KVCache:
+    def over(cls, k: torch.Tensor, v: torch.Tensor, filled: torch.Tensor, slot_ids: torch.Tensor,
+             pool_slot: int) -> KVCache:
         """A one-row cache over storage someone else owns (engine/kv_manager.py: a request's run of
-        pool blocks): k, v [layers, 1, kv_heads, len, D] views, filled [layers, 1, len]."""
+        pool blocks): k, v [layers, 1, kv_heads, len, D] views, filled [layers, 1, len]; pool_slot:
+        where its slot 0 lies in the pool."""
         cache = object.__new__(cls)
+        cache.pool_slot = pool_slot
         cache.k, cache.v, cache.filled = k, v, filled
         cache.max_len = k.shape[3]
         cache.length = 0
