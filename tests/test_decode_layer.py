@@ -86,17 +86,24 @@ def test_the_cpp_layer_matches_the_python_layer(tmp_path, name, mode, case):
 @torch.inference_mode()
 def test_a_long_prompts_mlp_runs_in_chunks_of_rows_as_in_one(tmp_path):
     """A prompt whose gate/up output passes the C++ layer's 16 MB (an intermediate size of 8192: 256 rows
-    a chunk, here 300 rows) against the Python layer, which runs each product over all rows at once."""
+    a chunk, here 300 rows) against the Python layer, which runs each product over all rows at once
+    (both on the int8 kernel: a prompt's AMX tiles, which the Python layer has not, are tests/test_amx.py's)."""
     from checkpoints import LONG_CONTEXT
+
+    from specee.model.kernels import use_prompt_tiles
 
     cfg = dict(LONG_CONTEXT.config, intermediate_size=8192, num_hidden_layers=1)
     model = load(make_checkpoint(tmp_path / "m", replace(LONG_CONTEXT, config=cfg, vocab_padding=8), seed=2), "int4")
     ids = torch.randint(3, model.cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     h = model.embed(torch.tensor([ids]))
     outs = []
-    for layers in (None, model.fast_layers):
-        model.fast_layers = layers
-        outs.append(model.layer(0, h, model.range_inputs(0, len(ids)), model.new_cache(1, len(ids))))
+    tiles = use_prompt_tiles(False)
+    try:
+        for layers in (None, model.fast_layers):
+            model.fast_layers = layers
+            outs.append(model.layer(0, h, model.range_inputs(0, len(ids)), model.new_cache(1, len(ids))))
+    finally:
+        use_prompt_tiles(tiles)
     want, got = outs
     torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6 * float(want.abs().max()))
 

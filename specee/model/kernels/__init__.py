@@ -18,6 +18,10 @@
   integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, AVX2 or plain loops): the default
   (DEFAULT_ACTIVATIONS: as close to float32 as llama.cpp or closer, and faster; BENCHMARKS.md);
   SPECEE_ACTIVATIONS=bf16 or `use_activations("bf16")` sends every int4 product to the bf16 path.
+- `int4_amx.cpp`: a prompt's int4 products (a prefill of 32 rows or more) on AMX-BF16 tiles where
+  the CPU has them (Intel Xeon 4th generation on): weights dequantized to bf16, activations rounded
+  to bf16, float32 sums; 2-3x the int8 kernel on a prompt's rows. SPECEE_AMX=0 or
+  `use_prompt_tiles(False)` keeps prompts on the int8 kernel (so does a SPECEE_CPU_LEVEL below avx512).
 - `kquant.cpp` (+ `kquant_tile.h`): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.
   `kquant_repack.cpp`: the file's blocks rewritten into that layout at load.
@@ -50,6 +54,7 @@ LEVEL_ENV = "SPECEE_CPU_LEVEL"
 ACTIVATIONS = ("bf16", "int8")  # what the int4 kernel rounds activations to, by its index there
 ACTIVATIONS_ENV = "SPECEE_ACTIVATIONS"
 DEFAULT_ACTIVATIONS = "int8"  # llama.cpp's agreement with float32 or better, not slower (BENCHMARKS.md)
+AMX_ENV = "SPECEE_AMX"  # "0": prompts' int4 products stay on the int8 kernel
 
 
 def sources(folder: Path = HERE) -> list[Path]:
@@ -65,7 +70,8 @@ def describe() -> str:
         return "no C++ kernels"
     activations = ACTIVATIONS[kernels.int4_activations()]
     level = kernels.int4_bf16_level() if activations == "bf16" else kernels.int4_level()
-    return (f"{LEVELS[level]} kernels, {activations} activations, "
+    tiles = ", prompts on AMX tiles" if kernels.amx_enabled() else ""
+    return (f"{LEVELS[level]} kernels, {activations} activations{tiles}, "
             f"build {build.build_name(PREFIX, sources(), CFLAGS).rsplit('_', 1)[1]}")
 
 
@@ -89,6 +95,7 @@ def int4_kernel() -> ModuleType | None:
     if kernels is not None:
         _level_from_env()
         _activations_from_env()
+        _amx_from_env()
     return kernels
 
 
@@ -114,6 +121,25 @@ def use_activations(name: str) -> str:
     before = ACTIVATIONS[kernels.int4_activations()]
     kernels.int4_set_activations(ACTIVATIONS.index(name))
     return before
+
+
+def use_prompt_tiles(on: bool) -> bool:
+    """Run prompts' int4 products on AMX tiles where the CPU has them (on) or on the int8 kernel;
+    returns whether they ran on tiles before."""
+    _amx_from_env()  # first, so that it does not undo this choice later
+    kernels = _build()
+    before = kernels.amx_enabled()
+    kernels.amx_set_enabled(on)
+    return before
+
+
+@functools.cache
+def _amx_from_env() -> None:
+    """Apply SPECEE_AMX once."""
+    wanted = os.environ.get(AMX_ENV, "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"{AMX_ENV}={wanted!r}: 1 (prompts on AMX tiles where the CPU has them) or 0")
+    _build().amx_set_enabled(wanted == "1")
 
 
 @functools.cache

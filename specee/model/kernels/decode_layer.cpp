@@ -12,6 +12,7 @@
 
 #include "activation.h"
 #include "greedy.h"
+#include "int4_amx.h"
 #include "int4_matmul.h"
 #include "kquant.h"
 #include "row_attention.h"
@@ -22,6 +23,18 @@ namespace {
 // prompt's rows split between threads, a decode step's row in one
 constexpr int64_t kGrain = 16384;
 constexpr int64_t kMlpBytes = 16 << 20;  // gate/up outputs of the rows whose MLP runs in one pass
+
+// A prompt (a causal segment) of at least this many rows runs its int4 products on AMX tiles where
+// the CPU has them (int4_amx.cpp): below it the weights' dequantization costs more than the tiles save
+// (SmolLM2's products: 0.5-1.0x of the int8 kernel at 8-24 rows, 1.2-1.5x at 32, 1.7-1.8x at 64).
+// A request's own prompt length decides, so its tokens never depend on what shares its steps.
+constexpr int64_t kTilePromptRows = 32;
+
+// Consecutive rows whose products run one way: a prompt's on AMX tiles (`tiles`), or the others'.
+struct Run {
+  int64_t first, count;
+  bool tiles;
+};
 
 // A linear as the runtime holds it (model/quant.py): float weight, int8 per channel, or int4 packed.
 struct Linear {
@@ -35,7 +48,7 @@ struct Linear {
   // N (int4 packed: N / 64 blocks; GGUF blocks: tiles of 16 outputs)
   int64_t outputs() const { return kind == 3 ? w.size(0) * 64 : kind == 4 ? aux.size(0) * 16 : w.size(0); }
 
-  at::Tensor operator()(const at::Tensor& x) const {  // x [1, K] float32 -> [1, N] float32
+  at::Tensor operator()(const at::Tensor& x, bool tiles = false) const {  // x [S, K] float32 -> [S, N] float32
     at::Tensor y;
     if (kind == 0) {
       y = at::linear(x, w);
@@ -44,14 +57,43 @@ struct Linear {
     } else if (kind == 2) {
       y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, aux).to(at::kFloat);
     } else if (kind == 3) {
-      y = int4_mm(x, w, aux);
+      y = tiles ? int4_mm_amx(x, w, aux) : int4_mm(x, w, aux);
     } else {
       y = kquant_mm(x, w, aux);
     }
     if (bias.numel()) y.add_(bias);
     return y;
   }
+
+  // x: rows from .. from + S - 1 of the step, each run's rows the way the run says
+  at::Tensor operator()(const at::Tensor& x, const std::vector<Run>& runs, int64_t from = 0) const {
+    const int64_t S = x.size(0);
+    std::vector<Run> parts;
+    for (const Run& r : runs) {
+      const int64_t a = std::max(r.first, from), b = std::min(r.first + r.count, from + S);
+      if (a < b) parts.push_back({a - from, b - a, r.tiles && kind == 3});
+    }
+    if (parts.size() == 1) return (*this)(x, parts[0].tiles);
+    at::Tensor y = at::empty({S, outputs()}, x.options());
+    for (const Run& p : parts) y.narrow(0, p.first, p.count).copy_((*this)(x.narrow(0, p.first, p.count), p.tiles));
+    return y;
+  }
 };
+
+// The step's rows as runs: a segment's rows go to AMX tiles if it is a prompt of kTilePromptRows or more
+std::vector<Run> row_runs(const std::vector<int64_t>& rows, const std::vector<bool>& causal) {
+  const bool tiles = amx_enabled();
+  std::vector<Run> runs;
+  int64_t first = 0;
+  for (size_t g = 0; g < rows.size(); first += rows[g], ++g) {
+    const bool t = tiles && causal[g] && rows[g] >= kTilePromptRows;
+    if (!runs.empty() && runs.back().tiles == t)
+      runs.back().count += rows[g];
+    else
+      runs.push_back({first, rows[g], t});
+  }
+  return runs;
+}
 
 void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps) {
   float ss = 0.f;
@@ -133,7 +175,8 @@ class DecodeLayer {
     const float* sg = sn.data_ptr<float>();
     at::Tensor x = at::empty({S, H}, h.options());
     rms_norm_rows(hc.data_ptr<float>(), attn_norm_.data_ptr<float>(), x.data_ptr<float>(), S, H, eps_);
-    const at::Tensor qkv = lin_[0](x);  // [S, (NH + 2 NKV) D]
+    const std::vector<Run> runs = row_runs(rows, causal);
+    const at::Tensor qkv = lin_[0](x, runs);  // [S, (NH + 2 NKV) D]
     const int64_t W = (NH + 2 * NKV) * D;
     at::Tensor attn = at::empty({S, NH * D}, h.options());
     const bool rows_alone = row_attention_available(D);
@@ -234,7 +277,7 @@ class DecodeLayer {
       const at::Tensor out = attention(qs[g], k[g], v[g], slot + firsts[g], kv_lens[g], masks[g], causal[g], chain[g]);
       attn.narrow(0, firsts[g], rows[g]).copy_(out.transpose(1, 2).reshape({rows[g], NH * D}));
     }
-    at::Tensor out = lin_[1](attn);
+    at::Tensor out = lin_[1](attn, runs);
     add_into(out.data_ptr<float>(), hc.data_ptr<float>(), S * H);
     rms_norm_rows(out.data_ptr<float>(), mlp_norm_.data_ptr<float>(), x.data_ptr<float>(), S, H, eps_);
     // the MLP a chunk of rows at a time: a long prompt's gate/up output past glibc's mmap threshold (32 MB;
@@ -242,7 +285,7 @@ class DecodeLayer {
     const int64_t chunk = std::max<int64_t>(1, kMlpBytes / (lin_[2].outputs() * 4));
     for (int64_t c0 = 0; c0 < S; c0 += chunk) {
       const int64_t n = std::min(chunk, S - c0);
-      const at::Tensor gu = lin_[2](x.narrow(0, c0, n));  // [n, 2 I]
+      const at::Tensor gu = lin_[2](x.narrow(0, c0, n), runs, c0);  // [n, 2 I]
       const int64_t I = gu.size(1) / 2;
       at::Tensor act = at::empty({n, I}, h.options());
       at::parallel_for(0, n, std::max<int64_t>(1, kGrain / I), [&](int64_t r0, int64_t r1) {
@@ -251,7 +294,7 @@ class DecodeLayer {
           silu_mul(g, g + I, act.data_ptr<float>() + r * I, I);
         }
       });
-      const at::Tensor down = lin_[3](act);
+      const at::Tensor down = lin_[3](act, runs, c0);
       add_into(out.data_ptr<float>() + c0 * H, down.data_ptr<float>(), n * H);
     }
     return out.view({1, S, H});
@@ -336,6 +379,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_prefetch", &int4_prefetch);
   m.def("int4_set_prefetch", &int4_set_prefetch);
   m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int4_mm_amx", &int4_mm_amx, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("amx_available", &amx_available);
+  m.def("amx_enabled", &amx_enabled);
+  m.def("amx_set_enabled", &amx_set_enabled);
   m.def("kquant_mm", &kquant_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_check", &kquant_check);
   m.def("kquant_repack", [](const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tensor out, int64_t at) {

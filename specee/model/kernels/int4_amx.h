@@ -1,0 +1,12 @@
+// A prompt's int4 products on AMX-BF16 tiles (int4_amx.cpp): weights dequantized to bf16 once a
+// call, activations rounded to bf16, float32 sums over all inputs.
+#pragma once
+#include <torch/extension.h>
+
+#include "int4_matmul.h"
+
+bool amx_available();             // the CPU has AMX-BF16 and this process may use the tiles
+bool amx_enabled();               // available, not switched off, and the kernels at their AVX-512 level
+void amx_set_enabled(bool on);    // SPECEE_AMX=0 in Python (kernels/__init__.py)
+// x [M, K] float32 times the int4 weight in int4_common.h's layout: float32 [M, N]
+at::Tensor int4_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);

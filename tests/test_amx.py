@@ -1,0 +1,145 @@
+"""A prompt's int4 products on AMX-BF16 tiles (model/kernels/int4_amx.cpp): the arithmetic they
+claim (bf16 activations times bf16-rounded dequantized weights, float32 sums), rows independent of
+their company, the rule that sends only a prompt of 32 rows or more there, and a request's tokens
+the same alone or batched. Skipped on CPUs without AMX-BF16 (the kernel is never called there)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specee.model import kernels
+from specee.model.quant import FloatLinear, Int4Linear
+
+PROMPT_ROWS = 32  # decode_layer.cpp's kTilePromptRows
+
+
+def amx_kernels():
+    k = kernels.int4_kernel()
+    if k is None:
+        pytest.skip("the CPU kernels are not built here")
+    if not k.amx_available():
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16 tiles")
+    return k
+
+
+def bf16_weights(lin: Int4Linear) -> torch.Tensor:
+    """W = q s + (z - 8 s), rounded once to bf16: what the kernel's tiles hold."""
+    s = lin.scales.float().repeat_interleave(32, dim=-1)
+    z8 = lin.zeros.float().repeat_interleave(32, dim=-1) - 8 * s
+    return (lin._ints(slice(None)).float() * s + z8).to(torch.bfloat16)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("K,N", [(64, 64), (576, 192), (1536, 576), (2048, 320)])
+def test_products_are_bf16_sums_of_the_dequantized_weights(K, N):
+    k = amx_kernels()
+    torch.manual_seed(K + N)
+    lin = Int4Linear.from_float(torch.randn(N, K) * 0.05)
+    wb = bf16_weights(lin).double()
+    for M in (1, 15, 16, 17, 32, 33, 100, 300):
+        x = torch.randn(M, K)
+        xb = x.to(torch.bfloat16).double()
+        y = k.int4_mm_amx(x, lin.packed, lin.scales_and_zeros)
+        exact = xb @ wb.t()
+        bound = 2 ** -20 * (xb.abs() @ wb.abs().t()) * K ** 0.5 + 1e-30  # float32 sums over K
+        assert ((y.double() - exact).abs() <= bound).all(), (M, float((y.double() - exact).abs().max()))
+
+
+@torch.inference_mode()
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it():
+    k = amx_kernels()
+    torch.manual_seed(1)
+    lin = Int4Linear.from_float(torch.randn(576, 1536) * 0.05)
+    x = torch.randn(300, 1536)
+    y = k.int4_mm_amx(x, lin.packed, lin.scales_and_zeros)
+    for first, count in ((0, 1), (3, 7), (5, 16), (1, 17), (2, 33), (100, 64), (40, 255)):
+        part = k.int4_mm_amx(x[first:first + count], lin.packed, lin.scales_and_zeros)
+        assert torch.equal(part, y[first:first + count]), (first, count)
+
+
+@torch.inference_mode()
+def test_only_a_prompt_of_32_rows_or_more_runs_on_tiles_and_closer_to_the_float_layer(tmp_path):
+    """The C++ layer on a prompt: below 32 rows the same bits with tiles on or off; from 32 rows the
+    tiles' outputs differ from the int8 path's and sit closer to the layer with the dequantized
+    weights in float32 (the plain reference)."""
+    amx_kernels()
+    from checkpoints import make_checkpoint
+    from test_decode_layer import load, variant
+
+    model = load(make_checkpoint(tmp_path / "m", variant("llama3"), seed=3), "int4")
+    fast = model.fast_layers
+    w = model.layers[0]
+    quantized = {name: getattr(w, name) for name in ("qkv", "o", "gate_up", "down")}
+    assert all(isinstance(lin, Int4Linear) and lin.kernel is not None for lin in quantized.values())
+
+    def layer0(n: int, tiles: bool | None) -> torch.Tensor:
+        ids = torch.randint(3, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        h = model.embed(ids[None])
+        before = kernels.use_prompt_tiles(bool(tiles))
+        if tiles is None:  # the reference: the Python layer with W dequantized, float32 products
+            model.fast_layers = None
+            for name, lin in quantized.items():
+                setattr(w, name, FloatLinear(lin.dequantize(), lin.bias))
+        try:
+            return model.layer(0, h, model.range_inputs(0, n), model.new_cache(1, n))
+        finally:
+            model.fast_layers = fast
+            for name, lin in quantized.items():
+                setattr(w, name, lin)
+            kernels.use_prompt_tiles(before)
+
+    short = [layer0(PROMPT_ROWS - 1, t) for t in (True, False)]
+    assert torch.equal(short[0], short[1])
+    on, off, ref = (layer0(64, t) for t in (True, False, None))
+    assert not torch.equal(on, off)
+    rms = lambda a: float((a - ref).pow(2).mean().sqrt())  # noqa: E731
+    assert rms(on) < rms(off), (rms(on), rms(off))
+
+
+@torch.inference_mode()
+def test_a_long_prompts_tokens_are_the_same_alone_and_beside_other_requests(tmp_path):
+    """Greedy tokens of a 40-token prompt (on tiles) and two short ones (not), batched with requests
+    joining while others decode, equal each request's tokens alone."""
+    amx_kernels()
+    from checkpoints import make_checkpoint
+    from test_decode_layer import variant
+
+    from specee import LLM, SamplingParams
+
+    llm = LLM(str(make_checkpoint(tmp_path / "m", variant("llama3"), seed=5)), quantization="int4")
+    vocab = llm.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (40, 5, 70, 9)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    engine = llm.engine
+    seqs = llm._sequences(prompts[:2], params, True)
+    for s in seqs:
+        engine.add_request(s)
+    engine.step()
+    engine.step()
+    late = llm._sequences(prompts[2:], params, True)  # join while the first two decode
+    for s in late:
+        engine.add_request(s)
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_ids for s in seqs + late] == alone
+
+
+def test_specee_amx_is_checked_and_switches_prompt_tiles_off():
+    code = ("from specee.model import kernels; k = kernels.int4_kernel(); "
+            "print(k.amx_enabled() if k else 'none')")
+    root = str(kernels.HERE.parents[2])
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "SPECEE_AMX": value}, cwd=root)
+
+    off = run("0")
+    assert off.returncode == 0 and off.stdout.strip() in ("False", "none")
+    bad = run("yes")
+    assert bad.returncode != 0 and "SPECEE_AMX='yes'" in bad.stderr
