@@ -1,7 +1,8 @@
-"""A prompt's int4 products on AMX-BF16 tiles (model/kernels/int4_amx.cpp): the arithmetic they
-claim (bf16 activations times bf16-rounded dequantized weights, float32 sums), rows independent of
-their company, the rule that sends only a prompt of 32 rows or more there, and a request's tokens
-the same alone or batched. Skipped on CPUs without AMX-BF16 (the kernel is never called there)."""
+"""A prompt's products on AMX-BF16 tiles (model/kernels/amx_prompt.cpp), int4 and GGUF blocks: the
+arithmetic they claim (bf16 activations times the dequantized weights rounded to bf16: int4's
+(q - 8) s + z, gguf's own dequantization of Q4_K / Q6_K / Q5_0 / Q8_0; float32 sums), rows
+independent of their company, the rule that sends only a prompt of 32 rows or more there, and a
+request's tokens the same alone or batched. Skipped on CPUs without AMX-BF16 (never called there)."""
 from __future__ import annotations
 
 import os
@@ -47,6 +48,52 @@ def test_products_are_bf16_sums_of_the_dequantized_weights(K, N):
         exact = xb @ wb.t()
         bound = 2 ** -20 * (xb.abs() @ wb.abs().t()) * K ** 0.5 + 1e-30  # float32 sums over K
         assert ((y.double() - exact).abs() <= bound).all(), (M, float((y.double() - exact).abs().max()))
+
+
+def assert_bf16_sums(y: torch.Tensor, x: torch.Tensor, wb: torch.Tensor) -> None:
+    """y equals x rounded to bf16 times the bf16 weights wb, summed in float32 (a few ulp over K)."""
+    xb, w = x.to(torch.bfloat16).double(), wb.double()
+    exact = xb @ w.t()
+    bound = 2 ** -20 * (xb.abs() @ w.abs().t()) * x.shape[1] ** 0.5 + 1e-30
+    assert ((y.double() - exact).abs() <= bound).all(), float((y.double() - exact).abs().max())
+
+
+def gguf_blocks(qtype, N: int, K: int, seed: int):
+    """Random GGUF blocks of qtype with float16 scales of ordinary size (not powers of two: the
+    weights' bf16 rounding is exercised) and every code pattern the random bytes give."""
+    import numpy as np
+
+    from specee.model.gguf_blocks import GGUFWeight
+
+    gguf = pytest.importorskip("gguf")
+    T = gguf.GGMLQuantizationType
+    size, per, scales = {T.Q4_K: (144, 256, (0, 2)), T.Q6_K: (210, 256, (208,)), T.Q5_0: (22, 32, (0,)),
+                         T.Q8_0: (34, 32, (0,))}[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (N, K // per, size), dtype=np.uint8)
+    for at in scales:
+        d = rng.uniform(1e-3, 2e-2, (N, K // per)).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8).reshape(N, K // per, 2)
+    return GGUFWeight(qtype, raw.reshape(N, -1))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("types", [("Q4_K",), ("Q6_K",), ("Q5_0",), ("Q8_0",), ("Q4_K", "Q6_K", "Q8_0")])
+def test_gguf_products_are_bf16_sums_of_ggufs_dequantized_weights(types):
+    """Each type alone, and parts of several types fused (as q/k/v of mixed types are)."""
+    k = amx_kernels()
+    gguf = pytest.importorskip("gguf")
+    from specee.model.quant_gguf import KQuantLinear
+
+    K = 512
+    parts = [gguf_blocks(getattr(gguf.GGMLQuantizationType, t), 64 if i else 96, K, seed=i) for i, t in enumerate(types)]
+    lin = KQuantLinear(parts, None, k)
+    wb = torch.cat([p.dequantize().float() for p in parts]).to(torch.bfloat16)
+    for M in (1, 16, 33, 70):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+        y = k.kquant_mm_amx(x, lin.packed, lin.tiles)
+        assert_bf16_sums(y, x, wb)
+        assert torch.equal(k.kquant_mm_amx(x[1:M], lin.packed, lin.tiles), y[1:M])
 
 
 @torch.inference_mode()

@@ -18,10 +18,10 @@
   integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, AVX2 or plain loops): the default
   (DEFAULT_ACTIVATIONS: as close to float32 as llama.cpp or closer, and faster; BENCHMARKS.md);
   SPECEE_ACTIVATIONS=bf16 or `use_activations("bf16")` sends every int4 product to the bf16 path.
-- `int4_amx.cpp`: a prompt's int4 products (a prefill of 32 rows or more) on AMX-BF16 tiles where
-  the CPU has them (Intel Xeon 4th generation on): weights dequantized to bf16, activations rounded
-  to bf16, float32 sums; 2-3x the int8 kernel on a prompt's rows. SPECEE_AMX=0 or
-  `use_prompt_tiles(False)` keeps prompts on the int8 kernel (so does a SPECEE_CPU_LEVEL below avx512).
+- `amx_prompt.cpp`: a prompt's products (a prefill of 32 rows or more; int4 and GGUF blocks) on
+  AMX-BF16 tiles where the CPU has them (Intel Xeon 4th generation on): weights dequantized to bf16,
+  activations rounded to bf16, float32 sums; 2-3x the int8 kernels on a prompt's rows. SPECEE_AMX=0
+  or `use_prompt_tiles(False)` keeps prompts on the int8 kernels (so does a SPECEE_CPU_LEVEL below avx512).
 - `kquant.cpp` (+ `kquant_tile.h`): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.
   `kquant_repack.cpp`: the file's blocks rewritten into that layout at load.

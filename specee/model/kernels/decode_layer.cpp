@@ -12,7 +12,7 @@
 
 #include "activation.h"
 #include "greedy.h"
-#include "int4_amx.h"
+#include "amx_prompt.h"
 #include "int4_matmul.h"
 #include "kquant.h"
 #include "row_attention.h"
@@ -24,8 +24,8 @@ namespace {
 constexpr int64_t kGrain = 16384;
 constexpr int64_t kMlpBytes = 16 << 20;  // gate/up outputs of the rows whose MLP runs in one pass
 
-// A prompt (a causal segment) of at least this many rows runs its int4 products on AMX tiles where
-// the CPU has them (int4_amx.cpp): below it the weights' dequantization costs more than the tiles save
+// A prompt (a causal segment) of at least this many rows runs its products on AMX tiles where
+// the CPU has them (amx_prompt.cpp): below it the weights' dequantization costs more than the tiles save
 // (SmolLM2's products: 0.5-1.0x of the int8 kernel at 8-24 rows, 1.2-1.5x at 32, 1.7-1.8x at 64).
 // A request's own prompt length decides, so its tokens never depend on what shares its steps.
 constexpr int64_t kTilePromptRows = 32;
@@ -48,6 +48,9 @@ struct Linear {
   // N (int4 packed: N / 64 blocks; GGUF blocks: tiles of 16 outputs)
   int64_t outputs() const { return kind == 3 ? w.size(0) * 64 : kind == 4 ? aux.size(0) * 16 : w.size(0); }
 
+  // whether a prompt's rows can run on AMX tiles: int4, or GGUF blocks in pairs of 16-output tiles
+  bool tiled() const { return kind == 3 || (kind == 4 && aux.size(0) % 2 == 0); }
+
   at::Tensor operator()(const at::Tensor& x, bool tiles = false) const {  // x [S, K] float32 -> [S, N] float32
     at::Tensor y;
     if (kind == 0) {
@@ -59,7 +62,7 @@ struct Linear {
     } else if (kind == 3) {
       y = tiles ? int4_mm_amx(x, w, aux) : int4_mm(x, w, aux);
     } else {
-      y = kquant_mm(x, w, aux);
+      y = tiles ? kquant_mm_amx(x, w, aux) : kquant_mm(x, w, aux);
     }
     if (bias.numel()) y.add_(bias);
     return y;
@@ -71,7 +74,7 @@ struct Linear {
     std::vector<Run> parts;
     for (const Run& r : runs) {
       const int64_t a = std::max(r.first, from), b = std::min(r.first + r.count, from + S);
-      if (a < b) parts.push_back({a - from, b - a, r.tiles && kind == 3});
+      if (a < b) parts.push_back({a - from, b - a, r.tiles && tiled()});
     }
     if (parts.size() == 1) return (*this)(x, parts[0].tiles);
     at::Tensor y = at::empty({S, outputs()}, x.options());
@@ -158,9 +161,10 @@ class DecodeLayer {
 
   // The rows of several sequences in one call (a ragged batch): segment g is the next rows[g] rows
   // of h, writing and reading its own cache k[g], v[g] (views into one pool: any strides along heads
-  // and slots) under its own attention description. The products run once over all rows (a row's
-  // result does not depend on the others in the int4 kernel); attention runs per segment, exactly the
-  // call that segment would make alone, so batching leaves every row's numbers unchanged.
+  // and slots) under its own attention description. The products run once over each run of rows
+  // (row_runs: a long prompt's on AMX tiles, the rest on the int8 kernels; in both a row's result does
+  // not depend on the others); attention runs per segment, exactly the call that segment would make
+  // alone, so batching leaves every row's numbers unchanged.
   at::Tensor forward_ragged(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                             const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
                             const std::vector<int64_t>& rows, const std::vector<int64_t>& kv_lens,
@@ -380,6 +384,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_set_prefetch", &int4_set_prefetch);
   m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_mm_amx", &int4_mm_amx, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("kquant_mm_amx", &kquant_mm_amx, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("amx_available", &amx_available);
   m.def("amx_enabled", &amx_enabled);
   m.def("amx_set_enabled", &amx_set_enabled);
