@@ -35,7 +35,8 @@ using namespace specee_int4;
 
 constexpr int64_t kUnit = 32;             // outputs a thread's unit computes: two 16-output tiles
 constexpr int64_t kTileElems = 16 * 32;   // one B tile: 16 rows of input pairs x 16 outputs x 2 bf16
-constexpr int64_t kPanelRows = 128;       // rows every unit runs before the next rows (they stay in L2)
+constexpr int64_t kPanelRows = 128;       // rows every unit of a chunk runs before the next rows (they stay in L2)
+constexpr int64_t kScratchBytes = 1 << 20;  // a thread's dequantized tiles at a time: half an L2 of 2 MB
 constexpr int64_t kConvertGrain = 16384;  // activations worth rounding in a parallel region
 
 struct alignas(64) TileConfig {
@@ -229,28 +230,34 @@ SPECEE_AMX_BF16 void unit_rows(const uint16_t* x, const uint16_t* b, int64_t K, 
   }
 }
 
-// A thread's units [u0, u1): each dequantized once into the thread's scratch, then every row.
+// A thread's units [u0, u1), a chunk of them at a time (their tiles within kScratchBytes, in L2): the
+// chunk dequantized once into the thread's scratch, then every row, a panel of rows at a time.
 template <class Units>
 SPECEE_AMX_BF16 void run_units(const Units& units, const uint16_t* x, int64_t M, int64_t K, float* y, int64_t N,
                                int64_t u0, int64_t u1) {
   const int64_t G = K / kGroup, unit_elems = G * 2 * kTileElems;
+  const int64_t chunk = std::max<int64_t>(1, kScratchBytes / (unit_elems * 2));
   thread_local at::Tensor scratch;  // 64-byte aligned; kept between calls (fresh pages cost a prompt ~5%)
-  if (!scratch.defined() || scratch.numel() < (u1 - u0) * unit_elems) scratch = at::empty({(u1 - u0) * unit_elems}, at::kShort);
+  const int64_t need = std::min(chunk, u1 - u0) * unit_elems;
+  if (!scratch.defined() || scratch.numel() < need) scratch = at::empty({need}, at::kShort);
   uint16_t* b = reinterpret_cast<uint16_t*>(scratch.data_ptr());
-  for (int64_t u = u0; u < u1; ++u) units(u, b + (u - u0) * unit_elems);
   int configured = -1;
-  for (int64_t p0 = 0; p0 < M; p0 += kPanelRows) {
-    const int64_t p1 = std::min(M, p0 + kPanelRows);
-    for (int64_t u = u0; u < u1; ++u)
-      for (int64_t m = p0; m < p1; m += 32) {
-        const int rows = static_cast<int>(std::min<int64_t>(32, p1 - m));
-        if (rows != configured) configure(std::min(16, rows), std::max(0, rows - 16)), configured = rows;
-        const uint16_t* bu = b + (u - u0) * unit_elems;
-        if (rows > 16)
-          unit_rows<true>(x + m * K, bu, K, G, y + m * N + u * kUnit, N);
-        else
-          unit_rows<false>(x + m * K, bu, K, G, y + m * N + u * kUnit, N);
-      }
+  for (int64_t c0 = u0; c0 < u1; c0 += chunk) {
+    const int64_t c1 = std::min(u1, c0 + chunk);
+    for (int64_t u = c0; u < c1; ++u) units(u, b + (u - c0) * unit_elems);
+    for (int64_t p0 = 0; p0 < M; p0 += kPanelRows) {
+      const int64_t p1 = std::min(M, p0 + kPanelRows);
+      for (int64_t u = c0; u < c1; ++u)
+        for (int64_t m = p0; m < p1; m += 32) {
+          const int rows = static_cast<int>(std::min<int64_t>(32, p1 - m));
+          if (rows != configured) configure(std::min(16, rows), std::max(0, rows - 16)), configured = rows;
+          const uint16_t* bu = b + (u - c0) * unit_elems;
+          if (rows > 16)
+            unit_rows<true>(x + m * K, bu, K, G, y + m * N + u * kUnit, N);
+          else
+            unit_rows<false>(x + m * K, bu, K, G, y + m * N + u * kUnit, N);
+        }
+    }
   }
   _tile_release();
 }
