@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 
 #include "int4_common.h"
 #include "kquant.h"
@@ -23,7 +24,8 @@
 #define SPECEE_AMX_BUILT 1
 #include <sys/syscall.h>
 #include <unistd.h>
-#define SPECEE_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+// (VNNI too: int4_common.h's helpers are compiled for it, and every CPU with AMX has it)
+#define SPECEE_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512bf16,amx-tile,amx-bf16")))
 #endif
 
 namespace {
@@ -82,7 +84,7 @@ SPECEE_AMX_BF16 inline void store_quad(__m512i quad, const LaneScale& s, uint16_
 }
 
 // int4 (int4_common.h's layout): unit u is half u % 2 of 64-output block u / 2; per group of 32
-// inputs a tile's scale s and offset z - 8 s, and per 4 inputs its 32 bytes as a quad (int4_q8.cpp's unpack16).
+// inputs a tile's scale s and offset z - 8 s, and per 4 inputs its 32 bytes as a quad (unpack16).
 struct Int4Units {
   const uint8_t* w;
   const uint16_t* sz;
@@ -96,11 +98,8 @@ struct Int4Units {
         const int t = 2 * static_cast<int>(u % 2) + tt;
         const __m512 s = bf16x16_to_float(sb + g * 128 + t * 16);
         const LaneScale ls = lane_scale(s, _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_float(sb + g * 128 + 64 + t * 16)));
-        for (int c = 0; c < kGroup / 4; ++c) {
-          const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (g * (kGroup / 4) + c) * 128 + t * 32)));
-          const __m512i quad = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
-          store_quad(quad, ls, out + (g * 2 + tt) * kTileElems + 64 * c);
-        }
+        for (int c = 0; c < kGroup / 4; ++c)
+          store_quad(unpack16(wb + (g * (kGroup / 4) + c) * 128 + t * 32), ls, out + (g * 2 + tt) * kTileElems + 64 * c);
       }
   }
 };
@@ -230,6 +229,22 @@ SPECEE_AMX_BF16 void unit_rows(const uint16_t* x, const uint16_t* b, int64_t K, 
   }
 }
 
+// A thread's dequantized tiles: 64-byte aligned (tile rows are cache lines), grown as needed.
+struct Scratch {
+  uint16_t* p = nullptr;
+  int64_t n = 0;
+  ~Scratch() { std::free(p); }
+  uint16_t* at_least(int64_t elems) {
+    if (elems > n) {
+      std::free(p);
+      p = static_cast<uint16_t*>(std::aligned_alloc(64, (elems * 2 + 63) / 64 * 64));
+      TORCH_CHECK(p, "amx_prompt: no memory for ", elems * 2, " bytes of dequantized tiles");
+      n = elems;
+    }
+    return p;
+  }
+};
+
 // A thread's units [u0, u1), a chunk of them at a time (their tiles within kScratchBytes, in L2): the
 // chunk dequantized once into the thread's scratch, then every row, a panel of rows at a time.
 template <class Units>
@@ -237,10 +252,8 @@ SPECEE_AMX_BF16 void run_units(const Units& units, const uint16_t* x, int64_t M,
                                int64_t u0, int64_t u1) {
   const int64_t G = K / kGroup, unit_elems = G * 2 * kTileElems;
   const int64_t chunk = std::max<int64_t>(1, kScratchBytes / (unit_elems * 2));
-  thread_local at::Tensor scratch;  // 64-byte aligned; kept between calls (fresh pages cost a prompt ~5%)
-  const int64_t need = std::min(chunk, u1 - u0) * unit_elems;
-  if (!scratch.defined() || scratch.numel() < need) scratch = at::empty({need}, at::kShort);
-  uint16_t* b = reinterpret_cast<uint16_t*>(scratch.data_ptr());
+  thread_local Scratch scratch;  // kept between calls (fresh pages cost a prompt ~5%)
+  uint16_t* b = scratch.at_least(std::min(chunk, u1 - u0) * unit_elems);
   int configured = -1;
   for (int64_t c0 = u0; c0 < u1; c0 += chunk) {
     const int64_t c1 = std::min(u1, c0 + chunk);
@@ -284,7 +297,7 @@ bool amx_available() {
 #endif
 }
 
-bool amx_enabled() { return g_enabled.load() && amx_available() && int4_level() == 2; }
+bool amx_enabled() { return g_enabled.load() && amx_available() && int4_level() == specee_int4::kAvx512; }
 
 void amx_set_enabled(bool on) { g_enabled.store(on); }
 

@@ -74,7 +74,12 @@ struct Linear {
     std::vector<Run> parts;
     for (const Run& r : runs) {
       const int64_t a = std::max(r.first, from), b = std::min(r.first + r.count, from + S);
-      if (a < b) parts.push_back({a - from, b - a, r.tiles && tiled()});
+      const bool tiles = r.tiles && tiled();
+      if (a >= b) continue;
+      if (!parts.empty() && parts.back().tiles == tiles)  // a linear without tiles: one call for all
+        parts.back().count += b - a;
+      else
+        parts.push_back({a - from, b - a, tiles});
     }
     if (parts.size() == 1) return (*this)(x, parts[0].tiles);
     at::Tensor y = at::empty({S, outputs()}, x.options());

@@ -69,6 +69,13 @@ SPECEE_INT4_AVX512 inline __m512 bf16x16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// The 4-input groups of 16 outputs at p (32 bytes: byte 2 lane + e holds inputs e, 2 + e) as one
+// int32 per output, bytes = inputs 0..3: (v | v << 12) & 0x0F0F0F0F on the widened byte pairs.
+SPECEE_INT4_AVX512 inline __m512i unpack16(const uint8_t* p) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);  // (A | B) & C
+}
+
 SPECEE_INT4_AVX2 inline __m256 bf16x8_to_float(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }

@@ -109,13 +109,6 @@ decltype(&quantize) quantize_at(int64_t level) {
 }
 
 #ifdef SPECEE_X86
-// The 4-input groups of 16 outputs at p (32 bytes: byte 2 lane + e holds inputs e, 2 + e) as one
-// int32 per output, bytes = inputs 0..3: (v | v << 12) & 0x0F0F0F0F on the widened byte pairs.
-SPECEE_INT4_AVX512 inline __m512i unpack16(const uint8_t* p) {
-  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);  // (A | B) & C
-}
-
 // Tile t's scales s and z - 8 s in a group (szg: the group's 2 x 64 bf16), once for all its rows.
 struct TileScales {
   __m512 s, z8;
