@@ -6,7 +6,8 @@ descheduled thread stalls the rest: on a 2-core AMD EPYC with one busy process, 
 given, a burst of decode steps is timed with 1, all-but-one and all threads in turn, and the
 fastest median wins (BENCHMARKS.md, "int4 kernel levels, threads on a busy machine", and session
 22). torch's thread count is one per process: the counts tried go up to its setting when the LLM is
-built, and the LLM leaves it at the count chosen.
+built (or, where that setting is an earlier LLM's choice, the setting before it), and the LLM leaves
+it at the count chosen.
 
 The same probe decides, once at load, whether int4 products of 1-3 rows prefetch their weights
 (kernels/int4_common.h; 4 rows or more always do): on an Intel Xeon it took SmolLM2's four products a
@@ -92,9 +93,28 @@ def burst(step: Callable[[], object]) -> float:
             return elapsed / steps
 
 
+# torch's thread count before any LLM changed it, and the count an LLM set last: a later LLM's ceiling
+# is torch's count unless that count is an earlier LLM's choice (LLM(threads=1), then LLM(): the second
+# tried 1 thread only and decoded at 0.57x on an idle 2-core Xeon)
+_TORCH_THREADS = torch.get_num_threads()
+_set_by_llm: int | None = None
+
+
+def set_threads(count: int) -> None:
+    global _set_by_llm
+    torch.set_num_threads(count)
+    _set_by_llm = count
+
+
+def ceiling() -> int:
+    """The most threads an LLM built now may try: torch's count, or its count before an LLM set it."""
+    now = torch.get_num_threads()
+    return _TORCH_THREADS if now == _set_by_llm else now
+
+
 def choose_threads(step: Callable[[], object], counts: list[int]) -> ThreadChoice:
     """The fastest of `counts` on `step` (the fewer threads on a tie), set as torch's count."""
-    best, step_ms = fastest(step, counts, torch.set_num_threads)
+    best, step_ms = fastest(step, counts, set_threads)
     return ThreadChoice(best, step_ms)
 
 
@@ -161,12 +181,12 @@ class ThreadPolicy:
     RECHECK_SECONDS = 30.0
 
     def __init__(self, model, threads: int | None):
-        self.most = torch.get_num_threads()  # the ceiling of the counts tried, kept across checks
+        self.most = ceiling()  # the ceiling of the counts tried, kept across checks
         self.auto = threads is None and model.device.type == "cpu"
         int4 = model.device.type == "cpu" and uses_int4_kernels(model)
         self.step = decode_step(model) if self.auto or int4 else None
         if threads is not None:
-            torch.set_num_threads(threads)
+            set_threads(threads)
         self.choice = ThreadChoice(threads or self.most)
         self.checked = -float("inf")
         self.refresh()
