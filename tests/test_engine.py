@@ -114,8 +114,10 @@ def drive(llm, arrivals: dict[int, list[Sequence]], aborts: dict[int, list[Seque
     return finished
 
 
-PROMPTS = ["one", "The quick brown fox jumps over the lazy dog while the cat sleeps", "Tom and his friend went",
-           "two", "def add(a, b): return a + b; add(add("]
+# PROMPTS[1] is over 32 tokens: on a CPU with AMX its prefill runs on tiles (model/kernels/amx_prompt.cpp),
+# so every mode meets a prompt on that path beside rows on the int8 kernels
+PROMPTS = ["one", "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat by the door, "
+           "and the old bird sings", "Tom and his friend went", "two", "def add(a, b): return a + b; add(add("]
 
 
 @pytest.mark.parametrize("mode", [*MODES, *EXIT_MODES])
