@@ -54,7 +54,7 @@ LEVEL_ENV = "SPECEE_CPU_LEVEL"
 ACTIVATIONS = ("bf16", "int8")  # what the int4 kernel rounds activations to, by its index there
 ACTIVATIONS_ENV = "SPECEE_ACTIVATIONS"
 DEFAULT_ACTIVATIONS = "int8"  # llama.cpp's agreement with float32 or better, not slower (BENCHMARKS.md)
-AMX_ENV = "SPECEE_AMX"  # "0": prompts' int4 products stay on the int8 kernel
+AMX_ENV = "SPECEE_AMX"  # "0": prompts' products stay on the int8 kernels
 
 
 def sources(folder: Path = HERE) -> list[Path]:
@@ -124,7 +124,7 @@ def use_activations(name: str) -> str:
 
 
 def use_prompt_tiles(on: bool) -> bool:
-    """Run prompts' int4 products on AMX tiles where the CPU has them (on) or on the int8 kernel;
+    """Run prompts' products on AMX tiles where the CPU has them (on) or on the int8 kernels;
     returns whether they ran on tiles before."""
     _amx_from_env()  # first, so that it does not undo this choice later
     kernels = _build()

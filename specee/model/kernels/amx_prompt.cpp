@@ -138,7 +138,7 @@ struct KQuantUnits {
     const Vectors vec{e[2], e[3]};
     const auto dst = [&](int64_t block, int c) { return out + block * 2 * kTileElems + 64 * c; };
     if (type == kQ4K || type == kQ6K) {
-      const int64_t bytes = vec.g * (type == kQ4K ? 2304 : 3360);
+      const int64_t bytes = vec.g * kquant_block_bytes(type);
       for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* blk = w + e[0] + sb * bytes;
         for (int b = 0; b < 8; ++b) {
@@ -180,7 +180,7 @@ struct KQuantUnits {
       return;
     }
     const int vectors = type == kQ80 ? 8 : 5;  // Q8_0: w = d (q - 128), q a byte; Q5_0: w = d (q - 16), 5 bits
-    const int64_t bytes = vec.g * (type == kQ80 ? 544 : 352);
+    const int64_t bytes = vec.g * kquant_block_bytes(type);
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* blk = w + e[0] + b * bytes;
       const __m512 d = half16(blk + vec.tail(vectors));
@@ -281,7 +281,30 @@ SPECEE_AMX_BF16 void round_to_bf16(const float* x, uint16_t* out, int64_t n) {
     _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
   for (; i < n; ++i) out[i] = static_cast<uint16_t>(_mm256_extract_epi16((__m256i)_mm512_cvtneps_pbh(_mm512_set1_ps(x[i])), 0));
 }
+
+// x [M, K] float32 rounded to bf16, then units [0, N / 32) split between threads.
+template <class Units>
+at::Tensor tiles_mm(const at::Tensor& x, const Units& units, int64_t N) {
+  const at::Tensor xf = x.contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1);
+  at::Tensor xb = at::empty({M, K}, at::kShort);
+  uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
+  const float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, kConvertGrain / K),
+                   [&](int64_t r0, int64_t r1) { round_to_bf16(xp + r0 * K, xbp + r0 * K, (r1 - r0) * K); });
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N / kUnit, 1, [&](int64_t u0, int64_t u1) { run_units(units, xbp, M, K, out, N, u0, u1); });
+  return y;
+}
 #endif
+
+// amx_available: amx_prompt.h
+void check_input(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(amx_available(), what, ": this CPU (or its kernel) gives no AMX-BF16 tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % specee_int4::kGroup == 0, what,
+              ": float32 activations [M, K], K a multiple of 32");
+}
 
 }  // namespace
 
@@ -300,34 +323,6 @@ bool amx_available() {
 bool amx_enabled() { return g_enabled.load() && amx_available() && int4_level() == specee_int4::kAvx512; }
 
 void amx_set_enabled(bool on) { g_enabled.store(on); }
-
-#ifdef SPECEE_AMX_BUILT
-namespace {
-// x [M, K] float32 rounded to bf16, then units [0, N / 32) split between threads.
-template <class Units>
-at::Tensor tiles_mm(const at::Tensor& x, const Units& units, int64_t N) {
-  const at::Tensor xf = x.contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1);
-  at::Tensor xb = at::empty({M, K}, at::kShort);
-  uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
-  const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, kConvertGrain / K),
-                   [&](int64_t r0, int64_t r1) { round_to_bf16(xp + r0 * K, xbp + r0 * K, (r1 - r0) * K); });
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, N / kUnit, 1, [&](int64_t u0, int64_t u1) { run_units(units, xbp, M, K, out, N, u0, u1); });
-  return y;
-}
-}  // namespace
-#endif
-
-namespace {
-void check_input(const at::Tensor& x, const char* what) {
-  TORCH_CHECK(amx_available(), what, ": this CPU (or its kernel) gives no AMX-BF16 tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % specee_int4::kGroup == 0, what,
-              ": float32 activations [M, K], K a multiple of 32");
-}
-}  // namespace
 
 at::Tensor int4_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   check_input(x, "int4_mm_amx");

@@ -70,6 +70,7 @@ struct Linear {
 
   // x: rows from .. from + S - 1 of the step, each run's rows the way the run says
   at::Tensor operator()(const at::Tensor& x, const std::vector<Run>& runs, int64_t from = 0) const {
+    if (runs.size() == 1) return (*this)(x, runs[0].tiles && tiled());  // a decode step: no plan to make
     const int64_t S = x.size(0);
     std::vector<Run> parts;
     for (const Run& r : runs) {
@@ -88,10 +89,12 @@ struct Linear {
   }
 };
 
-// The step's rows as runs: a segment's rows go to AMX tiles if it is a prompt of kTilePromptRows or more
-std::vector<Run> row_runs(const std::vector<int64_t>& rows, const std::vector<bool>& causal) {
+// The step's rows as runs: a segment's rows go to AMX tiles if it is a prompt of kTilePromptRows or more.
+// Reused across a thread's calls (the engine thread's): a layer call allocates nothing for the plan.
+const std::vector<Run>& row_runs(const std::vector<int64_t>& rows, const std::vector<bool>& causal) {
   const bool tiles = amx_enabled();
-  std::vector<Run> runs;
+  thread_local std::vector<Run> runs;
+  runs.clear();
   int64_t first = 0;
   for (size_t g = 0; g < rows.size(); first += rows[g], ++g) {
     const bool t = tiles && causal[g] && rows[g] >= kTilePromptRows;
@@ -184,7 +187,7 @@ class DecodeLayer {
     const float* sg = sn.data_ptr<float>();
     at::Tensor x = at::empty({S, H}, h.options());
     rms_norm_rows(hc.data_ptr<float>(), attn_norm_.data_ptr<float>(), x.data_ptr<float>(), S, H, eps_);
-    const std::vector<Run> runs = row_runs(rows, causal);
+    const std::vector<Run>& runs = row_runs(rows, causal);
     const at::Tensor qkv = lin_[0](x, runs);  // [S, (NH + 2 NKV) D]
     const int64_t W = (NH + 2 * NKV) * D;
     at::Tensor attn = at::empty({S, NH * D}, h.options());

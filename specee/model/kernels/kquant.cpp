@@ -38,8 +38,6 @@
 namespace {
 
 using specee_int4::kGroup;
-constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // a tile's bytes per 256 inputs
-constexpr int64_t kQ5Bytes = 352, kQ8Bytes = 544;  // per 32 inputs
 // Q5_0 / Q8_0: blocks ahead prefetched (4 tiles' blocks: 1.4 / 2.2 KB each). Qwen2.5-0.5B's gate/up
 // (Q5_0, 6 MB) on one core, AMD EPYC: none 0.21 ms, 2 blocks 0.16, 4 0.15, 8 0.12, 16 0.13; the same
 // from memory on 2 cores of an Intel Xeon with AMX (reads 21 GB/s): 8 blocks 385 us, 12 398, 16 294, 32 310.
@@ -205,12 +203,6 @@ Kernels level_kernels() {
   return {portable::kOne, portable::kSide};
 }
 
-// A tile's bytes per block of its type, and the block's inputs.
-int64_t block_bytes(int64_t type) {
-  return type == kQ6K ? kQ6Bytes : type == kQ4K ? kQ4Bytes : type == kQ80 ? kQ8Bytes : kQ5Bytes;
-}
-int64_t block_inputs(int64_t type) { return type == kQ4K || type == kQ6K ? 256 : 32; }
-
 }  // namespace
 
 void kquant_check(const at::Tensor& packed, const at::Tensor& tiles, int64_t K) {
@@ -221,8 +213,8 @@ void kquant_check(const at::Tensor& packed, const at::Tensor& tiles, int64_t K) 
   for (int64_t i = 0; i < tiles.size(0); ++i) {
     const int64_t* e = tile + 4 * i;  // base, type, g, j
     const bool known = e[1] == kQ4K || e[1] == kQ6K || e[1] == kQ50 || e[1] == kQ80;
-    TORCH_CHECK(known && K % block_inputs(e[1]) == 0 && e[0] >= 0 && e[2] >= 1 && e[2] <= kGroupTiles && e[3] >= 0 &&
-                    e[3] < e[2] && e[0] + e[2] * block_bytes(e[1]) * (K / block_inputs(e[1])) <= packed.numel(),
+    TORCH_CHECK(known && K % kquant_block_inputs(e[1]) == 0 && e[0] >= 0 && e[2] >= 1 && e[2] <= kGroupTiles && e[3] >= 0 &&
+                    e[3] < e[2] && e[0] + e[2] * kquant_block_bytes(e[1]) * (K / kquant_block_inputs(e[1])) <= packed.numel(),
                 "kquant: tile ", i, " is not a Q4_K, Q6_K, Q5_0 or Q8_0 tile of K = ", K, " inside the packed bytes");
   }
 }

@@ -5,6 +5,14 @@
 
 constexpr int64_t kQ50 = 6, kQ80 = 8, kQ4K = 12, kQ6K = 14;  // GGUF type numbers
 constexpr int kGroupTiles = 4;  // tiles whose blocks interleave: one group, one parallel task
+constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // a tile's bytes per 256 inputs (layout: kquant.cpp)
+constexpr int64_t kQ5Bytes = 352, kQ8Bytes = 544;  // per 32 inputs
+
+// A tile's bytes per block of its type, and the block's inputs.
+constexpr int64_t kquant_block_bytes(int64_t type) {
+  return type == kQ6K ? kQ6Bytes : type == kQ4K ? kQ4Bytes : type == kQ80 ? kQ8Bytes : kQ5Bytes;
+}
+constexpr int64_t kquant_block_inputs(int64_t type) { return type == kQ4K || type == kQ6K ? 256 : 32; }
 
 // x [M, K] float32 or bf16; packed: uint8, the tiles' bytes; tiles: int64 [T, 4], tile t's (byte
 // offset of its group's first block in packed, GGUF type: 6 Q5_0 / 8 Q8_0 / 12 Q4_K / 14 Q6_K, tiles
