@@ -1,10 +1,12 @@
-"""A prompt's products on AMX-BF16 tiles (model/kernels/amx_prompt.cpp), int4 and GGUF blocks: the
-arithmetic they claim (bf16 activations times the dequantized weights rounded to bf16: int4's
-(q - 8) s + z, gguf's own dequantization of Q4_K / Q6_K / Q5_0 / Q8_0; float32 sums), rows
+"""A prompt's products (model/kernels/amx_prompt.cpp; int4 and GGUF blocks) and attention
+(prompt_attention.cpp) on AMX-BF16 tiles: the arithmetic they claim (bf16 activations times the
+dequantized weights rounded to bf16: int4's (q - 8) s + z, gguf's own dequantization of Q4_K / Q6_K /
+Q5_0 / Q8_0; attention over bf16 queries, keys, values and probabilities; float32 sums), rows
 independent of their company, the rule that sends only a prompt of 32 rows or more there, and a
 request's tokens the same alone or batched. Skipped on CPUs without AMX-BF16 (never called there)."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -147,17 +149,101 @@ def test_only_a_prompt_of_32_rows_or_more_runs_on_tiles_and_closer_to_the_float_
     assert rms(on) < rms(off), (rms(on), rms(off))
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bf16: bool = True) -> torch.Tensor:
+    """Causal attention of q [heads, S, D] over k, v [kv_heads, S, D] in float64, [S, heads D]; with
+    bf16, as the tiles claim to compute it: q / sqrt(D), keys and values rounded to bf16, and each
+    row's probabilities e^(s - max) rounded to bf16 and divided by their unrounded sum."""
+    H, S, D = q.shape
+    group = H // k.shape[0]
+    rounded = (lambda x: x.float().bfloat16().double()) if bf16 else (lambda x: x.double())  # noqa: E731
+    qb, kb, vb = rounded(q * (1 / math.sqrt(D))), rounded(k), rounded(v)
+    later = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
+    out = []
+    for h in range(H):
+        s = (qb[h] @ kb[h // group].T).masked_fill(later, float("-inf"))
+        e = (s - s.max(-1, keepdim=True).values).exp()
+        out.append(rounded(e) @ vb[h // group] / e.sum(-1, keepdim=True))
+    return torch.cat(out, dim=1)
+
+
 @torch.inference_mode()
-def test_a_long_prompts_tokens_are_the_same_alone_and_beside_other_requests(tmp_path):
-    """Greedy tokens of a 40-token prompt (on tiles) and two short ones (not), batched with requests
-    joining while others decode, equal each request's tokens alone."""
+@pytest.mark.parametrize("heads,kv_heads,S,D", [(9, 3, 32, 64), (9, 3, 33, 64), (12, 2, 100, 128), (4, 4, 257, 32),
+                                                (6, 2, 70, 96), (9, 3, 769, 64)])
+def test_prompt_attention_is_causal_attention_over_bf16_operands(heads, kv_heads, S, D):
+    k = amx_kernels()
+    assert k.prompt_attention_available(D) and not k.prompt_attention_available(16)
+    gen = torch.Generator().manual_seed(S)
+    q = torch.randn(heads, S, D, generator=gen) * 2
+    keys = (torch.randn(kv_heads, S, D, generator=gen) * 2).half()
+    values = torch.randn(kv_heads, S, D, generator=gen).half()
+    y = k.prompt_attention(q, keys, values).double()
+    err = (y - causal_attention(q, keys, values)).abs()
+    # float32 sums and a polynomial exp against float64: typically ~1e-7; now and then a probability
+    # sits at a bf16 rounding boundary and moves one step (2^-8 of it), never more
+    assert err.pow(2).mean().sqrt() < 1e-4 and (err > 1e-4).double().mean() < 0.01
+    assert err.max() < 2 ** -8 * values.abs().max()
+    exact = (y - causal_attention(q, keys, values, bf16=False)).pow(2).mean().sqrt()  # unrounded operands:
+    assert 1e-4 < exact < 1e-2, float(exact)  # bf16's error shows, and stays bf16's
+
+
+@torch.inference_mode()
+def test_a_prompt_rows_attention_does_not_depend_on_the_rows_after_it():
+    """Row i of a prompt gets the same bits whether the prompt ends at row i or runs on: no row's
+    numbers depend on its block's other rows or on the padding."""
+    k = amx_kernels()
+    gen = torch.Generator().manual_seed(0)
+    q, keys, values = torch.randn(6, 300, 64, generator=gen), torch.randn(2, 300, 64, generator=gen).half(), \
+        torch.randn(2, 300, 64, generator=gen).half()
+    y = k.prompt_attention(q, keys, values)
+    for S in (1, 15, 16, 17, 32, 33, 100, 299):
+        assert torch.equal(k.prompt_attention(q[:, :S], keys[:, :S], values[:, :S]), y[:S]), S
+
+
+@torch.inference_mode()
+def test_a_prompt_of_32_rows_or_more_attends_on_tiles_in_the_layer(tmp_path):
+    """The C++ layer with int8 weights (whose products never run on tiles), head size 32: below 32
+    rows the same bits with tiles on or off; from 32 rows the attention differs and both stay close
+    to the Python layer."""
+    amx_kernels()
+    from checkpoints import make_checkpoint
+    from test_decode_layer import load, variant
+
+    model = load(make_checkpoint(tmp_path / "m", variant("gqa_head_dim"), seed=3), "int8")
+    assert model.cfg.head_dim == 32 and model.kv_dtype == torch.float16
+
+    def layer0(n: int, tiles: bool | None) -> torch.Tensor:
+        ids = torch.randint(3, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        h = model.embed(ids[None])
+        fast, before = model.fast_layers, kernels.use_prompt_tiles(bool(tiles))
+        if tiles is None:
+            model.fast_layers = None  # the reference: the Python layer
+        try:
+            return model.layer(0, h, model.range_inputs(0, n), model.new_cache(1, n))
+        finally:
+            model.fast_layers = fast
+            kernels.use_prompt_tiles(before)
+
+    short = [layer0(PROMPT_ROWS - 1, t) for t in (True, False)]
+    assert torch.equal(short[0], short[1])
+    on, off, ref = (layer0(64, t) for t in (True, False, None))
+    assert not torch.equal(on, off) and torch.allclose(off, ref, atol=1e-3)
+    rms = lambda a: float(a.pow(2).mean().sqrt())  # noqa: E731
+    assert rms(on - ref) < 0.02 * rms(ref), (rms(on - ref), rms(ref))  # bf16 operands: ~0.7% on this fixture
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("name", ["llama3", "gqa_head_dim"])
+def test_a_long_prompts_tokens_are_the_same_alone_and_beside_other_requests(tmp_path, name):
+    """Greedy tokens of a 40-token and a 70-token prompt (on tiles: products, and with a head size
+    of 32 attention too) and two short ones (not), batched with requests joining while others decode,
+    equal each request's tokens alone."""
     amx_kernels()
     from checkpoints import make_checkpoint
     from test_decode_layer import variant
 
     from specee import LLM, SamplingParams
 
-    llm = LLM(str(make_checkpoint(tmp_path / "m", variant("llama3"), seed=5)), quantization="int4")
+    llm = LLM(str(make_checkpoint(tmp_path / "m", variant(name), seed=5)), quantization="int4")
     vocab = llm.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (40, 5, 70, 9)]

@@ -20,8 +20,11 @@
   SPECEE_ACTIVATIONS=bf16 or `use_activations("bf16")` sends every int4 product to the bf16 path.
 - `amx_prompt.cpp`: a prompt's products (a prefill of 32 rows or more; int4 and GGUF blocks) on
   AMX-BF16 tiles where the CPU has them (Intel Xeon 4th generation on): weights dequantized to bf16,
-  activations rounded to bf16, float32 sums; 2-3x the int8 kernels on a prompt's rows. SPECEE_AMX=0
-  or `use_prompt_tiles(False)` keeps prompts on the int8 kernels (so does a SPECEE_CPU_LEVEL below avx512).
+  activations rounded to bf16, float32 sums; 2-3x the int8 kernels on a prompt's rows.
+  `prompt_attention.cpp`: that prompt's attention on the tiles too (bf16 queries, keys, values and
+  probabilities, float32 sums). `amx_tiles.h`: what the two share. SPECEE_AMX=0 or
+  `use_prompt_tiles(False)` keeps prompts on the int8 kernels and row_attention.cpp (so does a
+  SPECEE_CPU_LEVEL below avx512).
 - `kquant.cpp` (+ `kquant_tile.h`): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.
   `kquant_repack.cpp`: the file's blocks rewritten into that layout at load.
@@ -54,7 +57,7 @@ LEVEL_ENV = "SPECEE_CPU_LEVEL"
 ACTIVATIONS = ("bf16", "int8")  # what the int4 kernel rounds activations to, by its index there
 ACTIVATIONS_ENV = "SPECEE_ACTIVATIONS"
 DEFAULT_ACTIVATIONS = "int8"  # llama.cpp's agreement with float32 or better, not slower (BENCHMARKS.md)
-AMX_ENV = "SPECEE_AMX"  # "0": prompts' products stay on the int8 kernels
+AMX_ENV = "SPECEE_AMX"  # "0": prompts' products stay on the int8 kernels, their attention on row_attention.cpp
 
 
 def sources(folder: Path = HERE) -> list[Path]:
@@ -124,8 +127,8 @@ def use_activations(name: str) -> str:
 
 
 def use_prompt_tiles(on: bool) -> bool:
-    """Run prompts' products on AMX tiles where the CPU has them (on) or on the int8 kernels;
-    returns whether they ran on tiles before."""
+    """Run prompts' products and attention on AMX tiles where the CPU has them (on), or on the int8
+    kernels and row_attention.cpp; returns whether they ran on tiles before."""
     _amx_from_env()  # first, so that it does not undo this choice later
     kernels = _build()
     before = kernels.amx_enabled()

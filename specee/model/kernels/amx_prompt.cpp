@@ -15,17 +15,14 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 
+#include "amx_tiles.h"
 #include "int4_common.h"
 #include "kquant.h"
 
-#if defined(SPECEE_X86) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
-#define SPECEE_AMX_BUILT 1
+#ifdef SPECEE_AMX_BUILT
 #include <sys/syscall.h>
 #include <unistd.h>
-// (VNNI too: int4_common.h's helpers are compiled for it, and every CPU with AMX has it)
-#define SPECEE_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512bf16,amx-tile,amx-bf16")))
 #endif
 
 namespace {
@@ -34,6 +31,7 @@ std::atomic<bool> g_enabled{true};
 
 #ifdef SPECEE_AMX_BUILT
 using namespace specee_int4;
+using specee_amx::Scratch;
 
 constexpr int64_t kUnit = 32;             // outputs a thread's unit computes: two 16-output tiles
 constexpr int64_t kTileElems = 16 * 32;   // one B tile: 16 rows of input pairs x 16 outputs x 2 bf16
@@ -41,22 +39,15 @@ constexpr int64_t kPanelRows = 128;       // rows every unit of a chunk runs bef
 constexpr int64_t kScratchBytes = 1 << 20;  // a thread's dequantized tiles at a time: half an L2 of 2 MB
 constexpr int64_t kConvertGrain = 16384;  // activations worth rounding in a parallel region
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0, tmm1: A (rows 0-15 and 16-31 of 32 bf16 inputs); tmm2, tmm3: B (the unit's two output
 // tiles); tmm4..7: C (A0 B0, A0 B1, A1 B0, A1 B1). r1 = 0 leaves tmm1, 6 and 7 unused.
 SPECEE_AMX_BF16 void configure(int r0, int r1) {
-  TileConfig c;
+  specee_amx::TileConfig c;
   c.rows[0] = c.rows[4] = c.rows[5] = r0;
   c.rows[1] = c.rows[6] = c.rows[7] = r1;
   c.rows[2] = c.rows[3] = 16;
   for (int i = 0; i < 8; ++i) c.colsb[i] = c.rows[i] ? 64 : 0;
-  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, which lets it drop stores to the rest
-  __asm__ volatile("ldtilecfg %0" ::"m"(c));
+  specee_amx::load_config(c);
 }
 
 // A lane's weight is code x a + b (its scale and offset), as bf16: for a pair of B tile rows, a and b
@@ -229,22 +220,6 @@ SPECEE_AMX_BF16 void unit_rows(const uint16_t* x, const uint16_t* b, int64_t K, 
   }
 }
 
-// A thread's dequantized tiles: 64-byte aligned (tile rows are cache lines), grown as needed.
-struct Scratch {
-  uint16_t* p = nullptr;
-  int64_t n = 0;
-  ~Scratch() { std::free(p); }
-  uint16_t* at_least(int64_t elems) {
-    if (elems > n) {
-      std::free(p);
-      p = static_cast<uint16_t*>(std::aligned_alloc(64, (elems * 2 + 63) / 64 * 64));
-      TORCH_CHECK(p, "amx_prompt: no memory for ", elems * 2, " bytes of dequantized tiles");
-      n = elems;
-    }
-    return p;
-  }
-};
-
 // A thread's units [u0, u1), a chunk of them at a time (their tiles within kScratchBytes, in L2): the
 // chunk dequantized once into the thread's scratch, then every row, a panel of rows at a time.
 template <class Units>
@@ -252,8 +227,8 @@ SPECEE_AMX_BF16 void run_units(const Units& units, const uint16_t* x, int64_t M,
                                int64_t u0, int64_t u1) {
   const int64_t G = K / kGroup, unit_elems = G * 2 * kTileElems;
   const int64_t chunk = std::max<int64_t>(1, kScratchBytes / (unit_elems * 2));
-  thread_local Scratch scratch;  // kept between calls (fresh pages cost a prompt ~5%)
-  uint16_t* b = scratch.at_least(std::min(chunk, u1 - u0) * unit_elems);
+  thread_local Scratch scratch;  // the thread's dequantized tiles
+  uint16_t* b = scratch.at_least<uint16_t>(std::min(chunk, u1 - u0) * unit_elems);
   int configured = -1;
   for (int64_t c0 = u0; c0 < u1; c0 += chunk) {
     const int64_t c1 = std::min(u1, c0 + chunk);

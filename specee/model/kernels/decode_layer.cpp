@@ -15,6 +15,7 @@
 #include "amx_prompt.h"
 #include "int4_matmul.h"
 #include "kquant.h"
+#include "prompt_attention.h"
 #include "row_attention.h"
 
 namespace {
@@ -24,11 +25,13 @@ namespace {
 constexpr int64_t kGrain = 16384;
 constexpr int64_t kMlpBytes = 16 << 20;  // gate/up outputs of the rows whose MLP runs in one pass
 
-// A prompt (a causal segment) of at least this many rows runs its products on AMX tiles where
-// the CPU has them (amx_prompt.cpp): below it the weights' dequantization costs more than the tiles save
-// (SmolLM2's products: 0.5-1.0x of the int8 kernel at 8-24 rows, 1.2-1.5x at 32, 1.7-1.8x at 64).
-// A request's own prompt length decides, so its tokens never depend on what shares its steps.
+// A prompt (a causal segment) of at least this many rows runs its products (amx_prompt.cpp) and its
+// attention (prompt_attention.cpp) on AMX tiles where the CPU has them: below it the weights'
+// dequantization costs more than the tiles save (SmolLM2's products: 0.5-1.0x of the int8 kernel at
+// 8-24 rows, 1.2-1.5x at 32, 1.7-1.8x at 64). A request's own prompt length decides, so its tokens
+// never depend on what shares its steps.
 constexpr int64_t kTilePromptRows = 32;
+bool prompt_on_tiles(bool causal, int64_t rows) { return causal && rows >= kTilePromptRows && amx_enabled(); }
 
 // Consecutive rows whose products run one way: a prompt's on AMX tiles (`tiles`), or the others'.
 struct Run {
@@ -92,12 +95,11 @@ struct Linear {
 // The step's rows as runs: a segment's rows go to AMX tiles if it is a prompt of kTilePromptRows or more.
 // Reused across a thread's calls (the engine thread's): a layer call allocates nothing for the plan.
 const std::vector<Run>& row_runs(const std::vector<int64_t>& rows, const std::vector<bool>& causal) {
-  const bool tiles = amx_enabled();
   thread_local std::vector<Run> runs;
   runs.clear();
   int64_t first = 0;
   for (size_t g = 0; g < rows.size(); first += rows[g], ++g) {
-    const bool t = tiles && causal[g] && rows[g] >= kTilePromptRows;
+    const bool t = prompt_on_tiles(causal[g], rows[g]);
     if (!runs.empty() && runs.back().tiles == t)
       runs.back().count += rows[g];
     else
@@ -195,10 +197,14 @@ class DecodeLayer {
     const auto attends_alone = [&](size_t g) {
       return rows_alone && (causal[g] || chain[g] || (rows[g] == 1 && !masks[g].numel()));
     };
+    const bool tiles_attend = prompt_attention_available(D);  // (implies rows_alone)
+    const auto on_tiles = [&](size_t g) {  // a prompt whose rows attend together on AMX tiles
+      return tiles_attend && prompt_on_tiles(causal[g], rows[g]) && k[g].scalar_type() == at::kHalf;
+    };
     // RoPE and the K/V writes of every segment first; then the rows that attend alone over their own
     // prefix (decode rows, chains, a prefill's rows: row_attention.cpp) in parallel, each by one thread,
-    // so a row's numbers do not depend on the batch; then the other segments (trees, masks, holes), one
-    // ATen call each. A prefill's rows went to ATen's flash attention: MKL's float32 GEMM ran ~160
+    // so a row's numbers do not depend on the batch; then a long prompt's rows on the tiles
+    // (prompt_attention.cpp); then the other segments (trees, masks, holes), one ATen call each. A prefill's rows went to ATen's flash attention: MKL's float32 GEMM ran ~160
     // GFLOP/s here (AMD EPYC Zen 5, 2 threads), 25% of SmolLM2's prefill; alone they take 31% less time.
     std::vector<at::Tensor> qs(rows.size());
     std::vector<int64_t> firsts(rows.size());
@@ -242,7 +248,7 @@ class DecodeLayer {
         }
       });
       firsts[g] = first;
-      if (attends_alone(g))
+      if (attends_alone(g) && !on_tiles(g))
         for (int64_t i = 0; i < n; ++i) alone.emplace_back(g, i);
       first += n;
     }
@@ -284,6 +290,12 @@ class DecodeLayer {
                         vc.data_ptr<float>() + j * vc.stride(1), vc.stride(1), len, D, group, 1, o);
       }
     });
+    for (size_t g = 0; g < rows.size(); ++g) {
+      if (!on_tiles(g)) continue;
+      const at::Tensor &kc = k[g], &vc = v[g];
+      prompt_attention(qs[g].data_ptr<float>(), rows[g], D, NH, NKV, kc.data_ptr<at::Half>(), kc.stride(1),
+                       vc.data_ptr<at::Half>(), vc.stride(1), attn.data_ptr<float>() + firsts[g] * NH * D, NH * D);
+    }
     for (size_t g = 0; g < rows.size(); ++g) {
       if (attends_alone(g)) continue;
       const at::Tensor out = attention(qs[g], k[g], v[g], slot + firsts[g], kv_lens[g], masks[g], causal[g], chain[g]);
@@ -421,4 +433,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     silu_mul(g.data_ptr<float>(), u.data_ptr<float>(), out.data_ptr<float>(), g.numel());
     return out;
   });
+  m.def("prompt_attention_available", &prompt_attention_available);
+  m.def("prompt_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {  // for tests
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && k.dim() == 3 && k.scalar_type() == at::kHalf &&
+                    v.sizes() == k.sizes() && v.scalar_type() == at::kHalf && k.size(1) == q.size(1) &&
+                    k.size(2) == q.size(2), "prompt_attention: q [heads, S, D] float32, k and v [kv_heads, S, D] float16");
+    const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+    const int64_t H = q.size(0), S = q.size(1), D = q.size(2);
+    at::Tensor out = at::empty({S, H * D}, q.options());
+    prompt_attention(qc.data_ptr<float>(), S, D, H, k.size(0), kc.data_ptr<at::Half>(), S * D, vc.data_ptr<at::Half>(),
+                     S * D, out.data_ptr<float>(), H * D);
+    return out;
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
