@@ -204,8 +204,9 @@ class DecodeLayer {
     // RoPE and the K/V writes of every segment first; then the rows that attend alone over their own
     // prefix (decode rows, chains, a prefill's rows: row_attention.cpp) in parallel, each by one thread,
     // so a row's numbers do not depend on the batch; then a long prompt's rows on the tiles
-    // (prompt_attention.cpp); then the other segments (trees, masks, holes), one ATen call each. A prefill's rows went to ATen's flash attention: MKL's float32 GEMM ran ~160
-    // GFLOP/s here (AMD EPYC Zen 5, 2 threads), 25% of SmolLM2's prefill; alone they take 31% less time.
+    // (prompt_attention.cpp); then the other segments (trees, masks, holes), one ATen call each. A
+    // prefill's rows went to ATen's flash attention: MKL's float32 GEMM ran ~160 GFLOP/s here (AMD
+    // EPYC Zen 5, 2 threads), 25% of SmolLM2's prefill; alone they take 31% less time.
     std::vector<at::Tensor> qs(rows.size());
     std::vector<int64_t> firsts(rows.size());
     std::vector<std::pair<int64_t, int64_t>> alone;  // (segment, row within it)

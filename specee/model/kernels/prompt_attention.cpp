@@ -3,7 +3,9 @@
 // tiles (16 rows x 16 keys, float32 sums over the head's dimensions), a softmax over each row's own
 // prefix in AVX-512 (row_attention.cpp's exp), and P V on the tiles (float32 sums over the keys).
 // Why: row_attention.cpp takes a prompt one row at a time, each row reading and widening every key
-// of its prefix: 21% of SmolLM2's prefill of the 8 bench prompts (perf, the Intel Xeon with AMX).
+// of its prefix: 21% of SmolLM2's prefill of the 8 bench prompts (perf, the Intel Xeon with AMX). On
+// the tiles SmolLM2 Q4_1 prefills 512 tokens 1.45x and 2,048 tokens 1.9x faster, Qwen2.5-1.5B 2,048
+// tokens 1.28x (BENCHMARKS.md, session 32).
 //
 // The arithmetic (bf16 queries, keys, values and probabilities) is not row_attention's, so
 // decode_layer.cpp sends a prompt here by the rule its products follow (amx_prompt.cpp): the request's
