@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <utility>
 
 #include "amx_tiles.h"
 #include "int4_common.h"
@@ -95,21 +96,28 @@ struct Int4Units {
   }
 };
 
-// Tile j of a group of g in kquant.cpp's layout: vector v of a block at blk + (v g + j) 64; the
-// 16 fp16 after the group's `vectors` vectors at blk + vectors 64 g + 32 j.
-struct Vectors {
-  int64_t g, j;
-  int64_t offset(int v) const { return (v * g + j) * 64; }
-  int64_t tail(int vectors) const { return vectors * 64 * g + 32 * j; }
-  SPECEE_AMX_BF16 __m512i at(const uint8_t* blk, int v) const { return _mm512_loadu_si512(blk + offset(v)); }
-  SPECEE_AMX_BF16 __m512i nibbles(const uint8_t* blk, int b, int c) const {  // quad c of block b: codes 0..15
-    const __m512i v = at(blk, 4 * b + c / 2);
-    return _mm512_and_si512(c % 2 ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi32(0x0F0F0F0F));
-  }
-};
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx512bf16,amx-tile,amx-bf16")
+namespace gguf {  // GGUF blocks read as kquant.cpp's AVX-512 level reads them
+#include "kquant_avx512.h"
+#include "kquant_codes.h"
+}  // namespace gguf
+#pragma GCC pop_options
 
-SPECEE_AMX_BF16 inline __m512 half16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// Quad C (inputs 4 C .. 4 C + 3) of block b of tile j, of type Q, as codes: one byte an input.
+template <int64_t Q, int C>
+SPECEE_AMX_BF16 inline __m512i quad(const gguf::Tiles& t, int j, int b) {
+  if constexpr (Q == kQ80) return gguf::V::load(t.vec(C, j));  // the int8 code + 128
+  else if constexpr (Q == kQ50) return gguf::q5_quad<C>(t, j);
+  else if constexpr (Q == kQ6K) return gguf::q6_quad<C>(t, j, b);
+  else return gguf::q4_quad<C>(t, j, b);
+}
+
+// Block b's 8 quads as B tile rows at out, each with its lane scale (Q6_K: one per half of 16 inputs).
+template <int64_t Q, int... C>
+SPECEE_AMX_BF16 inline void store_quads(const gguf::Tiles& t, int j, int b, const LaneScale (&ls)[2], uint16_t* out,
+                                        std::integer_sequence<int, C...>) {
+  (store_quad(quad<Q, C>(t, j, b), ls[Q == kQ6K ? C / 4 : 0], out + 64 * C), ...);
 }
 
 // GGUF blocks in kquant.cpp's layout (see there): unit u is tiles 2u and 2u + 1, each from its entry
@@ -123,70 +131,48 @@ struct KQuantUnits {
     for (int tt = 0; tt < 2; ++tt) tile(tiles + 4 * (2 * u + tt), out + tt * kTileElems);
   }
 
-  // one tile: B tiles of 32 inputs at out + 2 kTileElems b for block b
+  // one tile: B tiles of 32 inputs at out + 2 kTileElems i for block i
   SPECEE_AMX_BF16 void tile(const int64_t* e, uint16_t* out) const {
-    const int64_t type = e[1];
-    const Vectors vec{e[2], e[3]};
-    const auto dst = [&](int64_t block, int c) { return out + block * 2 * kTileElems + 64 * c; };
+    const int64_t type = e[1], g = e[2], bytes = g * kquant_block_bytes(type);
+    const int j = static_cast<int>(e[3]);
+    const auto quads = std::make_integer_sequence<int, 8>{};
     if (type == kQ4K || type == kQ6K) {
-      const int64_t bytes = vec.g * kquant_block_bytes(type);
       for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* blk = w + e[0] + sb * bytes;
+        const gguf::Tiles t{blk, 64 * g};
         for (int b = 0; b < 8; ++b) {
+          uint16_t* o = out + (sb * 8 + b) * 2 * kTileElems;
+          LaneScale ls[2];
           if (type == kQ4K) {  // w = d sc q - dmin m
-            const __m512 d = half16(blk + vec.offset(35)), dmin = half16(blk + vec.offset(35) + 32);
-            const __m512i A = vec.at(blk, 32), B = vec.at(blk, 33), six = _mm512_set1_epi32(63);
+            const uint16_t* dd = reinterpret_cast<const uint16_t*>(t.vec(35, j));
             __m512i sc, m;
-            if (b < 4) {
-              sc = _mm512_and_si512(_mm512_srli_epi32(A, 8 * b), six), m = _mm512_and_si512(_mm512_srli_epi32(B, 8 * b), six);
-            } else {
-              const int S = 8 * (b - 4);
-              const __m512i C = _mm512_srli_epi32(vec.at(blk, 34), S), top = _mm512_set1_epi32(0x30);
-              sc = _mm512_or_si512(_mm512_and_si512(C, _mm512_set1_epi32(15)), _mm512_and_si512(_mm512_srli_epi32(A, S + 2), top));
-              m = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 4), _mm512_set1_epi32(15)),
-                                  _mm512_and_si512(_mm512_srli_epi32(B, S + 2), top));
-            }
-            const LaneScale ls = lane_scale(_mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)),
-                                            _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m))));
-            for (int c = 0; c < 8; ++c) store_quad(vec.nibbles(blk, b, c), ls, dst(sb * 8 + b, c));
+            gguf::q4_scale_min(t, j, b, sc, m);
+            ls[0] = lane_scale(_mm512_mul_ps(gguf::V::half(dd), _mm512_cvtepi32_ps(sc)),
+                               _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(gguf::V::half(dd + 16), _mm512_cvtepi32_ps(m))));
+            store_quads<kQ4K>(t, j, b, ls, o, quads);
           } else {  // w = d sc_h (q - 32), sc_h per 16 inputs (int8), q's high 2 bits apart
-            const __m512 d = half16(blk + vec.tail(52));
-            const __m512i s = vec.at(blk, 48 + b / 2);
-            LaneScale ls[2];
+            const __m512 d = gguf::tail_d(blk, 52, g, j);
+            __m512i s[2];
+            gguf::q6_scales(t, j, b, s[0], s[1]);
             for (int h = 0; h < 2; ++h) {
-              const int byte = 2 * (b % 2) + h;
-              const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s, 24 - 8 * byte), 24)));
+              const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s[h]));
               ls[h] = lane_scale(a, _mm512_mul_ps(_mm512_set1_ps(-32.f), a));
             }
-            for (int c = 0; c < 8; ++c) {
-              const __m512i hi = vec.at(blk, 32 + 2 * b + c / 4);
-              const int cc = c % 4;
-              const __m512i top = cc == 0 ? _mm512_slli_epi32(hi, 4) : cc == 1 ? _mm512_slli_epi32(hi, 2) : cc == 2 ? hi : _mm512_srli_epi32(hi, 2);
-              store_quad(_mm512_or_si512(vec.nibbles(blk, b, c), _mm512_and_si512(top, _mm512_set1_epi32(0x30303030))), ls[c / 4],
-                         dst(sb * 8 + b, c));
-            }
+            store_quads<kQ6K>(t, j, b, ls, o, quads);
           }
         }
       }
       return;
     }
-    const int vectors = type == kQ80 ? 8 : 5;  // Q8_0: w = d (q - 128), q a byte; Q5_0: w = d (q - 16), 5 bits
-    const int64_t bytes = vec.g * kquant_block_bytes(type);
-    for (int64_t b = 0; b < K / 32; ++b) {
+    for (int64_t b = 0; b < K / 32; ++b) {  // Q8_0: w = d (q - 128), q a byte; Q5_0: w = d (q - 16), 5 bits
       const uint8_t* blk = w + e[0] + b * bytes;
-      const __m512 d = half16(blk + vec.tail(vectors));
-      const LaneScale ls = lane_scale(d, _mm512_mul_ps(_mm512_set1_ps(type == kQ80 ? -128.f : -16.f), d));
-      const __m512i fifth = type == kQ80 ? _mm512_setzero_si512() : vec.at(blk, 4);
-      for (int c = 0; c < 8; ++c) {
-        __m512i q;
-        if (type == kQ80) {
-          q = vec.at(blk, c);
-        } else {
-          const __m512i h = c < 4 ? _mm512_sll_epi32(fifth, _mm_cvtsi32_si128(4 - c)) : _mm512_srl_epi32(fifth, _mm_cvtsi32_si128(c - 4));
-          q = _mm512_or_si512(vec.nibbles(blk, 0, c), _mm512_and_si512(h, _mm512_set1_epi32(0x10101010)));
-        }
-        store_quad(q, ls, dst(b, c));
-      }
+      const gguf::Tiles t{blk, 64 * g};
+      const __m512 d = gguf::tail_d(blk, type == kQ80 ? 8 : 5, g, j);
+      const LaneScale ls[2] = {lane_scale(d, _mm512_mul_ps(_mm512_set1_ps(type == kQ80 ? -128.f : -16.f), d)), {}};
+      if (type == kQ80)
+        store_quads<kQ80>(t, j, 0, ls, out + b * 2 * kTileElems, quads);
+      else
+        store_quads<kQ50>(t, j, 0, ls, out + b * 2 * kTileElems, quads);
     }
   }
 };

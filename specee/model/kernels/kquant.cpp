@@ -46,7 +46,6 @@ constexpr int64_t kPrefetchBlocks = 16;
 // 15.5 MB) from memory, 2 cores of that Xeon: 1 ahead 950-1085 us, 2 763, 3 772, 4 804; its decode
 // 15.6-16.0 -> 20.5-21.3 tokens/s at 2 (alternating processes). The EPYCs' own streams were measured at 1.
 constexpr int64_t kSuperBlocksAhead = 2;
-#define SPECEE_KQ_INLINE __attribute__((always_inline)) inline  // the body's parts: registers, not memory
 constexpr int kMaxRows = 4;  // rows sharing a tile's unpacking (more would spill the accumulators)
 
 // Quantized activations of some rows: q [R][K] int8 (read 4 at a time), per block of 32 the step
@@ -155,32 +154,7 @@ struct V {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
 namespace avx512 {
-struct V {
-  using I = __m512i;
-  using F = __m512;
-  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
-  static I and_(I x, uint32_t m) { return _mm512_and_si512(x, _mm512_set1_epi32(m)); }
-  static I or_(I x, I y) { return _mm512_or_si512(x, y); }
-  static I add(I x, I y) { return _mm512_add_epi32(x, y); }
-  static I mul(I x, I y) { return _mm512_mullo_epi32(x, y); }
-  template <int S> static I shl(I x) { return _mm512_slli_epi32(x, S); }
-  template <int S> static I shr(I x) { return _mm512_srli_epi32(x, S); }
-  template <int S> static I sar(I x) { return _mm512_srai_epi32(x, S); }
-  static I shlv(I x, int n) { return _mm512_sll_epi32(x, _mm_cvtsi32_si128(n)); }
-  static I shrv(I x, int n) { return _mm512_srl_epi32(x, _mm_cvtsi32_si128(n)); }
-  static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
-  static I dot_wide(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }  // no int16 step: exact
-  static F fzero() { return _mm512_setzero_ps(); }
-  static F fset1(float v) { return _mm512_set1_ps(v); }
-  static F cvt(I x) { return _mm512_cvtepi32_ps(x); }
-  static F fmul(F x, F y) { return _mm512_mul_ps(x, y); }
-  static F fma(F x, F y, F z) { return _mm512_fmadd_ps(x, y, z); }
-  static F fnma(F x, F y, F z) { return _mm512_fnmadd_ps(x, y, z); }
-  static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
-  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
-};
+#include "kquant_avx512.h"
 #include "kquant_tile.h"
 }  // namespace avx512
 #pragma GCC pop_options

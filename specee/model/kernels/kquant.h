@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#define SPECEE_KQ_INLINE __attribute__((always_inline)) inline  // kquant_codes.h, kquant_tile.h: registers, not memory
+
 constexpr int64_t kQ50 = 6, kQ80 = 8, kQ4K = 12, kQ6K = 14;  // GGUF type numbers
 constexpr int kGroupTiles = 4;  // tiles whose blocks interleave: one group, one parallel task
 constexpr int64_t kQ4Bytes = 2304, kQ6Bytes = 3360;  // a tile's bytes per 256 inputs (layout: kquant.cpp)

@@ -14,39 +14,9 @@
 //     y  += d (sum_b dx_b T_b)                                  (float32 FMAs, in this order)
 // Q4_K: per block b (6-bit scale sc_b and min m_b):
 //     y  += d (sum_b dx_b (sc_b sum_k q_k x_k)) - dmin (sum_b m_b ds_b)   with ds_b = dx_b sum_k x_k
+// The codes and scales themselves come out of the blocks in kquant_codes.h.
 
-// Where J tiles' bytes are: vector v of tile j (of the J) at t + v vs + 64 j, this super-block.
-struct Tiles {
-  const uint8_t* t;
-  int64_t vs;
-  const uint8_t* vec(int64_t v, int j) const { return t + v * vs + 64 * j; }
-};
-
-// Weight bytes of inputs 4 C .. 4 C + 3 of block b of tile j.
-template <int C>
-SPECEE_KQ_INLINE V::I q4_quad(const Tiles& w, int j, int b) {
-  const V::I v = V::load(w.vec(4 * b + C / 2, j));
-  return V::and_(C % 2 ? V::template shr<4>(v) : v, 0x0F0F0F0F);
-}
-
-// Q6_K: nibble C % 2 of the low-bit vector, and 2-bit field C % 4 of the high-bit vector of half
-// C / 4, moved to bits 4-5.
-template <int C>
-SPECEE_KQ_INLINE V::I q6_quad(const Tiles& w, int j, int b) {
-  constexpr int CC = C % 4;
-  const V::I hi = V::load(w.vec(32 + 2 * b + C / 4, j));
-  const V::I h = CC == 0 ? V::template shl<4>(hi) : CC == 1 ? V::template shl<2>(hi) : CC == 2 ? hi : V::template shr<2>(hi);
-  return V::or_(q4_quad<C>(w, j, b), V::and_(h, 0x30303030));
-}
-
-// Q5_0: the nibble of vectors 0-3 and, from the high-bit word (vector 4: bit C of byte e is input
-// 4 C + e's), bit C of each byte moved to bit 4.
-template <int C>
-SPECEE_KQ_INLINE V::I q5_quad(const Tiles& w, int j) {
-  const V::I hi = V::load(w.vec(4, j));
-  const V::I h = C < 4 ? V::template shl<4 - C>(hi) : C == 4 ? hi : V::template shr<C - 4>(hi);
-  return V::or_(q4_quad<C>(w, j, 0), V::and_(h, 0x10101010));
-}
+#include "kquant_codes.h"
 
 // acc[r][j][h] += quad C of block b of tile j (of type Q) times row r's inputs; h = C / 4 for
 // Q6_K's halves, else 0 or, where few tiles and rows give few chains of dot products (H = 2), C / 4
@@ -83,28 +53,12 @@ SPECEE_KQ_INLINE void q6k_block(const Tiles& w, const Act& x, int64_t sb, int b,
       for (int h = 0; h < 2; ++h) acc[r][j][h] = V::set1(-32 * x.s16(r, 2 * blk + h));
   dots<R, J, 2, kQ6K>(w, x, blk, b, acc, std::make_integer_sequence<int, 8>{});
   for (int j = 0; j < J; ++j) {
-    const V::I s = V::load(w.vec(48 + b / 2, j));  // byte 2 (b % 2) + h of lane o: sc_h
-    const V::I s0 = V::template sar<24>(V::shlv(s, 24 - 16 * (b % 2)));
-    const V::I s1 = V::template sar<24>(V::shlv(s, 16 - 16 * (b % 2)));
+    V::I s0, s1;
+    q6_scales(w, j, b, s0, s1);
     for (int r = 0; r < R; ++r) {
       const V::I T = V::add(V::mul(s0, acc[r][j][0]), V::mul(s1, acc[r][j][1]));
       fs[r][j] = V::fma(V::cvt(T), V::fset1(x.dx(r, blk)), fs[r][j]);
     }
-  }
-}
-
-// Q4_K's 6-bit scale and min of block b of tile j from its words A, B, C (vectors 32-34: ggml's 12
-// bytes as they are): b < 4: byte b of A and of B; else the low 4 bits from C's byte b - 4 (min:
-// its high nibble) and the high 2 from the top of A's (scale) and B's (min) byte b - 4.
-SPECEE_KQ_INLINE void q4_scale_min(const Tiles& w, int j, int b, V::I& sc, V::I& m) {
-  const V::I a = V::load(w.vec(32, j)), bm = V::load(w.vec(33, j));
-  if (b < 4) {
-    sc = V::and_(V::shrv(a, 8 * b), 63), m = V::and_(V::shrv(bm, 8 * b), 63);
-  } else {
-    const int S = 8 * (b - 4);
-    const V::I c = V::shrv(V::load(w.vec(34, j)), S);
-    sc = V::or_(V::and_(c, 15), V::and_(V::shrv(a, S + 2), 0x30));
-    m = V::or_(V::and_(V::template shr<4>(c), 15), V::and_(V::shrv(bm, S + 2), 0x30));
   }
 }
 
@@ -151,8 +105,8 @@ SPECEE_KQ_INLINE void q6k_tiles(const uint8_t* base, int64_t g, int64_t j0, cons
       prefetch_ahead(base, g * kQ6Bytes, b);
       q6k_block<R, J>(w, x, sb, b, fs);
     }
-    for (int j = 0; j < J; ++j) {  // d: after the group's 52 vectors, 32 bytes a tile
-      const V::F d = V::half(reinterpret_cast<const uint16_t*>(base + 52 * 64 * g + 32 * (j0 + j)));
+    for (int j = 0; j < J; ++j) {
+      const V::F d = tail_d(base, 52, g, j0 + j);
       for (int r = 0; r < R; ++r) V::store(y + r * N + 16 * j, V::fma(d, fs[r][j], V::loadf(y + r * N + 16 * j)));
     }
   }
@@ -198,8 +152,8 @@ SPECEE_KQ_INLINE void q32_tiles(const uint8_t* base, int64_t g, int64_t j0, cons
       for (int j = 0; j < J; ++j)
         for (int h = 0; h < H; ++h) sums[r][j][h] = V::set1(h ? 0 : -offset * (x.s16(r, 2 * blk) + x.s16(r, 2 * blk + 1)));
     dots<R, J, H, Q>(w, x, blk, 0, sums, std::make_integer_sequence<int, 8>{});
-    for (int j = 0; j < J; ++j) {  // d: after the group's vectors, 32 bytes a tile
-      const V::F d = V::half(reinterpret_cast<const uint16_t*>(base + vectors * 64 * g + 32 * (j0 + j)));
+    for (int j = 0; j < J; ++j) {
+      const V::F d = tail_d(base, vectors, g, j0 + j);
       for (int r = 0; r < R; ++r) {
         const V::I T = H == 2 ? V::add(sums[r][j][0], sums[r][j][H - 1]) : sums[r][j][0];
         acc[r][j] = V::fma(d, V::fmul(V::cvt(T), V::fset1(x.dx(r, blk))), acc[r][j]);
