@@ -25,7 +25,8 @@
   probabilities, float32 sums). `amx_tiles.h`: what the two share. SPECEE_AMX=0 or
   `use_prompt_tiles(False)` keeps prompts on the int8 kernels and row_attention.cpp (so does a
   SPECEE_CPU_LEVEL below avx512).
-- `kquant.cpp` (+ `kquant_tile.h`): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
+- `kquant.cpp` (+ `kquant_tile.h`; the blocks' codes and scales in `kquant_codes.h`, which
+  amx_prompt.cpp reads them through too): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.
   `kquant_repack.cpp`: the file's blocks rewritten into that layout at load.
   `q8_0_rows`: Q8_0 rows dequantized as gguf does (an embedding lookup, a head's rescored rows).
