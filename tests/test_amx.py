@@ -110,6 +110,28 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it():
         assert torch.equal(part, y[first:first + count]), (first, count)
 
 
+def first_layer(model, n: int, tiles: bool | None, dequantize: bool = False) -> torch.Tensor:
+    """Layer 0 on an n-token prompt: the C++ layer with prompt tiles on or off; or, with tiles None,
+    the reference: the Python layer (with its linears dequantized to float32 if `dequantize`)."""
+    ids = torch.randint(3, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+    h = model.embed(ids[None])
+    w = model.layers[0]
+    linears = {name: getattr(w, name) for name in ("qkv", "o", "gate_up", "down")}
+    fast, before = model.fast_layers, kernels.use_prompt_tiles(bool(tiles))
+    if tiles is None:
+        model.fast_layers = None
+        if dequantize:
+            for name, lin in linears.items():
+                setattr(w, name, FloatLinear(lin.dequantize(), lin.bias))
+    try:
+        return model.layer(0, h, model.range_inputs(0, n), model.new_cache(1, n))
+    finally:
+        model.fast_layers = fast
+        for name, lin in linears.items():
+            setattr(w, name, lin)
+        kernels.use_prompt_tiles(before)
+
+
 @torch.inference_mode()
 def test_only_a_prompt_of_32_rows_or_more_runs_on_tiles_and_closer_to_the_float_layer(tmp_path):
     """The C++ layer on a prompt: below 32 rows the same bits with tiles on or off; from 32 rows the
@@ -120,30 +142,12 @@ def test_only_a_prompt_of_32_rows_or_more_runs_on_tiles_and_closer_to_the_float_
     from test_decode_layer import load, variant
 
     model = load(make_checkpoint(tmp_path / "m", variant("llama3"), seed=3), "int4")
-    fast = model.fast_layers
     w = model.layers[0]
-    quantized = {name: getattr(w, name) for name in ("qkv", "o", "gate_up", "down")}
-    assert all(isinstance(lin, Int4Linear) and lin.kernel is not None for lin in quantized.values())
+    assert all(isinstance(lin, Int4Linear) and lin.kernel is not None for lin in (w.qkv, w.o, w.gate_up, w.down))
 
-    def layer0(n: int, tiles: bool | None) -> torch.Tensor:
-        ids = torch.randint(3, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-        h = model.embed(ids[None])
-        before = kernels.use_prompt_tiles(bool(tiles))
-        if tiles is None:  # the reference: the Python layer with W dequantized, float32 products
-            model.fast_layers = None
-            for name, lin in quantized.items():
-                setattr(w, name, FloatLinear(lin.dequantize(), lin.bias))
-        try:
-            return model.layer(0, h, model.range_inputs(0, n), model.new_cache(1, n))
-        finally:
-            model.fast_layers = fast
-            for name, lin in quantized.items():
-                setattr(w, name, lin)
-            kernels.use_prompt_tiles(before)
-
-    short = [layer0(PROMPT_ROWS - 1, t) for t in (True, False)]
+    short = [first_layer(model, PROMPT_ROWS - 1, t) for t in (True, False)]
     assert torch.equal(short[0], short[1])
-    on, off, ref = (layer0(64, t) for t in (True, False, None))
+    on, off, ref = (first_layer(model, 64, t, dequantize=True) for t in (True, False, None))
     assert not torch.equal(on, off)
     rms = lambda a: float((a - ref).pow(2).mean().sqrt())  # noqa: E731
     assert rms(on) < rms(off), (rms(on), rms(off))
@@ -211,21 +215,9 @@ def test_a_prompt_of_32_rows_or_more_attends_on_tiles_in_the_layer(tmp_path):
     model = load(make_checkpoint(tmp_path / "m", variant("gqa_head_dim"), seed=3), "int8")
     assert model.cfg.head_dim == 32 and model.kv_dtype == torch.float16
 
-    def layer0(n: int, tiles: bool | None) -> torch.Tensor:
-        ids = torch.randint(3, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-        h = model.embed(ids[None])
-        fast, before = model.fast_layers, kernels.use_prompt_tiles(bool(tiles))
-        if tiles is None:
-            model.fast_layers = None  # the reference: the Python layer
-        try:
-            return model.layer(0, h, model.range_inputs(0, n), model.new_cache(1, n))
-        finally:
-            model.fast_layers = fast
-            kernels.use_prompt_tiles(before)
-
-    short = [layer0(PROMPT_ROWS - 1, t) for t in (True, False)]
+    short = [first_layer(model, PROMPT_ROWS - 1, t) for t in (True, False)]
     assert torch.equal(short[0], short[1])
-    on, off, ref = (layer0(64, t) for t in (True, False, None))
+    on, off, ref = (first_layer(model, 64, t) for t in (True, False, None))
     assert not torch.equal(on, off) and torch.allclose(off, ref, atol=1e-3)
     rms = lambda a: float(a.pow(2).mean().sqrt())  # noqa: E731
     assert rms(on - ref) < 0.02 * rms(ref), (rms(on - ref), rms(ref))  # bf16 operands: ~0.7% on this fixture

@@ -76,7 +76,8 @@ SPECEE_AMX_BF16 inline void store_quad(__m512i quad, const LaneScale& s, uint16_
 }
 
 // int4 (int4_common.h's layout): unit u is half u % 2 of 64-output block u / 2; per group of 32
-// inputs a tile's scale s and offset z - 8 s, and per 4 inputs its 32 bytes as a quad (unpack16).
+// inputs a tile's scale s and offset z - 8 s (tile_scales), and per 4 inputs its 32 bytes as a quad
+// (unpack16).
 struct Int4Units {
   const uint8_t* w;
   const uint16_t* sz;
@@ -88,8 +89,8 @@ struct Int4Units {
     for (int64_t g = 0; g < G; ++g)
       for (int tt = 0; tt < 2; ++tt) {
         const int t = 2 * static_cast<int>(u % 2) + tt;
-        const __m512 s = bf16x16_to_float(sb + g * 128 + t * 16);
-        const LaneScale ls = lane_scale(s, _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_float(sb + g * 128 + 64 + t * 16)));
+        const TileScales sc = tile_scales(sb + g * 128, t);
+        const LaneScale ls = lane_scale(sc.s, sc.z8);
         for (int c = 0; c < kGroup / 4; ++c)
           store_quad(unpack16(wb + (g * (kGroup / 4) + c) * 128 + t * 32), ls, out + (g * 2 + tt) * kTileElems + 64 * c);
       }

@@ -76,6 +76,16 @@ SPECEE_INT4_AVX512 inline __m512i unpack16(const uint8_t* p) {
   return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);  // (A | B) & C
 }
 
+// Tile t's scales s and z - 8 s in a group (szg: the group's 2 x 64 bf16), once for all its rows
+// (W = q s + (z - 8 s): int4_q8.cpp's products, amx_prompt.cpp's dequantization).
+struct TileScales {
+  __m512 s, z8;
+};
+SPECEE_INT4_AVX512 inline TileScales tile_scales(const uint16_t* szg, int t) {
+  const __m512 s = bf16x16_to_float(szg + t * 16);
+  return {s, _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_float(szg + 64 + t * 16))};
+}
+
 SPECEE_INT4_AVX2 inline __m256 bf16x8_to_float(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }

@@ -109,15 +109,6 @@ decltype(&quantize) quantize_at(int64_t level) {
 }
 
 #ifdef SPECEE_X86
-// Tile t's scales s and z - 8 s in a group (szg: the group's 2 x 64 bf16), once for all its rows.
-struct TileScales {
-  __m512 s, z8;
-};
-SPECEE_INT4_AVX512 inline TileScales tile_scales(const uint16_t* szg, int t) {
-  const __m512 s = bf16x16_to_float(szg + t * 16);
-  return {s, _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16x16_to_float(szg + 64 + t * 16))};
-}
-
 // One row's 16 float sums f of a tile plus a group: f + (s d) acc + (z - 8 s) ds (d, ds: the row's
 // activation step and step times sum), the combination both AVX-512 paths use, so a row's bits do
 // not depend on the path it took.

@@ -74,51 +74,53 @@ SPECEE_AMX_BF16 void configure() {
   specee_amx::load_config(c);
 }
 
+// GCC's tile intrinsics take tile numbers as literals, so the per-chunk steps below are macros over
+// a literal chunk c, each present when the head has that chunk (C > c) or the pass that tile (T > c).
+
 // Scores of the query tiles (tmm0 .. C - 1) against `pairs` pairs of 16-key blocks: sc [16][stride / 4].
 template <int C>
 SPECEE_AMX_BF16 void scores(const uint32_t* kt, int64_t pairs, float* sc, int64_t stride) {
+#define SPECEE_SCORE_CHUNK(c)                    \
+  if constexpr (C > c) {                         \
+    _tile_loadd(4, kt + c * 256, 64);            \
+    _tile_loadd(5, kt + (C + c) * 256, 64);      \
+    _tile_dpbf16ps(6, c, 4);                     \
+    _tile_dpbf16ps(7, c, 5);                     \
+  }
   for (int64_t b = 0; b < pairs; ++b, kt += 2 * C * 256) {
     _tile_zero(6);
     _tile_zero(7);
-    _tile_loadd(4, kt, 64);
-    _tile_loadd(5, kt + C * 256, 64);
-    _tile_dpbf16ps(6, 0, 4);
-    _tile_dpbf16ps(7, 0, 5);
-    if constexpr (C > 1) {
-      _tile_loadd(4, kt + 256, 64);
-      _tile_loadd(5, kt + (C + 1) * 256, 64);
-      _tile_dpbf16ps(6, 1, 4);
-      _tile_dpbf16ps(7, 1, 5);
-    }
-    if constexpr (C > 2) {
-      _tile_loadd(4, kt + 512, 64);
-      _tile_loadd(5, kt + (C + 2) * 256, 64);
-      _tile_dpbf16ps(6, 2, 4);
-      _tile_dpbf16ps(7, 2, 5);
-    }
-    if constexpr (C > 3) {
-      _tile_loadd(4, kt + 768, 64);
-      _tile_loadd(5, kt + (C + 3) * 256, 64);
-      _tile_dpbf16ps(6, 3, 4);
-      _tile_dpbf16ps(7, 3, 5);
-    }
+    SPECEE_SCORE_CHUNK(0)
+    SPECEE_SCORE_CHUNK(1)
+    SPECEE_SCORE_CHUNK(2)
+    SPECEE_SCORE_CHUNK(3)
     _tile_stored(6, sc + 32 * b, stride);
     _tile_stored(7, sc + 32 * b + 16, stride);
   }
+#undef SPECEE_SCORE_CHUNK
 }
 
 template <int C>
 SPECEE_AMX_BF16 void load_queries(const uint16_t* qa) {
-  _tile_loadd(0, qa, C * 64);
-  if constexpr (C > 1) _tile_loadd(1, qa + 32, C * 64);
-  if constexpr (C > 2) _tile_loadd(2, qa + 64, C * 64);
-  if constexpr (C > 3) _tile_loadd(3, qa + 96, C * 64);
+#define SPECEE_QUERY_CHUNK(c) \
+  if constexpr (C > c) _tile_loadd(c, qa + 32 * c, C * 64);
+  SPECEE_QUERY_CHUNK(0)
+  SPECEE_QUERY_CHUNK(1)
+  SPECEE_QUERY_CHUNK(2)
+  SPECEE_QUERY_CHUNK(3)
+#undef SPECEE_QUERY_CHUNK
 }
 
-// T (1..4) output tiles (dims 16 j .. 16 j + 16 T) of P (pa [16][Lq] bf16) times the values: ob [16][ob_stride / 4]
+// T (1..4) output tiles (dims 16 j .. 16 j + 16 T) of P (pa [16][Lq] bf16) times the values: ob [16][ob_stride / 4].
+// Output tile c (tmm 4 + c) takes its values through tmm 1 + c % 3.
 template <int T>
 SPECEE_AMX_BF16 void values(const uint16_t* pa, int64_t Lq, const uint16_t* vp, int64_t J, int64_t j, float* ob,
                             int64_t ob_stride) {
+#define SPECEE_VALUE_TILE(c, out_tile, b_tile)     \
+  if constexpr (T > c) {                           \
+    _tile_loadd(b_tile, v + c * 512, 64);          \
+    _tile_dpbf16ps(out_tile, 0, b_tile);           \
+  }
   _tile_zero(4);
   if constexpr (T > 1) _tile_zero(5);
   if constexpr (T > 2) _tile_zero(6);
@@ -126,25 +128,16 @@ SPECEE_AMX_BF16 void values(const uint16_t* pa, int64_t Lq, const uint16_t* vp, 
   for (int64_t b = 0; b < Lq / 32; ++b) {
     const uint16_t* v = vp + (b * J + j) * 512;
     _tile_loadd(0, pa + 32 * b, Lq * 2);
-    _tile_loadd(1, v, 64);
-    _tile_dpbf16ps(4, 0, 1);
-    if constexpr (T > 1) {
-      _tile_loadd(2, v + 512, 64);
-      _tile_dpbf16ps(5, 0, 2);
-    }
-    if constexpr (T > 2) {
-      _tile_loadd(3, v + 1024, 64);
-      _tile_dpbf16ps(6, 0, 3);
-    }
-    if constexpr (T > 3) {
-      _tile_loadd(1, v + 1536, 64);
-      _tile_dpbf16ps(7, 0, 1);
-    }
+    SPECEE_VALUE_TILE(0, 4, 1)
+    SPECEE_VALUE_TILE(1, 5, 2)
+    SPECEE_VALUE_TILE(2, 6, 3)
+    SPECEE_VALUE_TILE(3, 7, 1)
   }
   _tile_stored(4, ob + 16 * j, ob_stride);
   if constexpr (T > 1) _tile_stored(5, ob + 16 * (j + 1), ob_stride);
   if constexpr (T > 2) _tile_stored(6, ob + 16 * (j + 2), ob_stride);
   if constexpr (T > 3) _tile_stored(7, ob + 16 * (j + 3), ob_stride);
+#undef SPECEE_VALUE_TILE
 }
 
 // Rows q0 .. q0 + m - 1 (m <= 16) of one query head (q: its [S][D] float32) over their prefixes, with
