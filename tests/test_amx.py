@@ -191,9 +191,10 @@ def test_prompt_attention_is_causal_attention_over_bf16_operands(heads, kv_heads
 
 
 @torch.inference_mode()
-def test_a_prompt_rows_attention_does_not_depend_on_the_rows_after_it():
-    """Row i of a prompt gets the same bits whether the prompt ends at row i or runs on: no row's
-    numbers depend on its block's other rows or on the padding."""
+def test_a_prompt_rows_attention_depends_neither_on_the_rows_after_it_nor_on_where_its_part_starts():
+    """Row i of a prompt gets the same bits whether the prompt ends at row i or runs on, and whether its
+    rows start at slot 0 or at a later part's first slot (chunked prefill: the earlier parts' keys
+    come from the cache): no row's numbers depend on its block's other rows or on the padding."""
     k = amx_kernels()
     gen = torch.Generator().manual_seed(0)
     q, keys, values = torch.randn(6, 300, 64, generator=gen), torch.randn(2, 300, 64, generator=gen).half(), \
@@ -201,6 +202,9 @@ def test_a_prompt_rows_attention_does_not_depend_on_the_rows_after_it():
     y = k.prompt_attention(q, keys, values)
     for S in (1, 15, 16, 17, 32, 33, 100, 299):
         assert torch.equal(k.prompt_attention(q[:, :S], keys[:, :S], values[:, :S]), y[:S]), S
+    for start, end in ((32, 64), (47, 300), (100, 133), (256, 300)):
+        part = k.prompt_attention(q[:, start:end], keys[:, :end], values[:, :end])
+        assert torch.equal(part, y[start:end]), (start, end)
 
 
 @torch.inference_mode()
@@ -221,6 +225,30 @@ def test_a_prompt_of_32_rows_or_more_attends_on_tiles_in_the_layer(tmp_path):
     assert not torch.equal(on, off) and torch.allclose(off, ref, atol=1e-3)
     rms = lambda a: float(a.pow(2).mean().sqrt())  # noqa: E731
     assert rms(on - ref) < 0.02 * rms(ref), (rms(on - ref), rms(ref))  # bf16 operands: ~0.7% on this fixture
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("name,quantization", [("gqa_head_dim", "int4"), ("gqa_head_dim", "int8"), ("llama3", "int4")])
+def test_a_prompt_prefilled_in_parts_gets_the_bits_of_one_pass(tmp_path, name, quantization):
+    """Chunked prefill's parts (32, 32 and 36 rows of a 100-token prompt, each reading the earlier parts'
+    keys from the cache) give every row the hidden state of the prompt in one pass, bit for bit: with
+    the tiles on (products with int4 weights; attention at head size 32) and off."""
+    amx_kernels()
+    from checkpoints import make_checkpoint
+    from test_decode_layer import load, variant
+
+    model = load(make_checkpoint(tmp_path / "m", variant(name), seed=4), quantization)
+    ids = torch.randint(3, model.cfg.vocab_size, (1, 100), generator=torch.Generator().manual_seed(1))
+    for tiles in (True, False):
+        before = kernels.use_prompt_tiles(tiles)
+        try:
+            whole = model.forward(ids, model.range_inputs(0, 100), model.new_cache(1, 100))
+            cache = model.new_cache(1, 100)
+            parts = [model.forward(ids[:, a:b], model.range_inputs(a, b - a, prompt=True), cache)
+                     for a, b in ((0, 32), (32, 64), (64, 100))]
+        finally:
+            kernels.use_prompt_tiles(before)
+        assert torch.equal(torch.cat(parts, dim=1), whole), tiles
 
 
 @torch.inference_mode()

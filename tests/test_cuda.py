@@ -52,6 +52,17 @@ def test_every_engine_mode_on_cuda(checkpoints, config, dtype):
         assert together == [o.token_ids for o in cpu.generate(PROMPTS, params)]
 
 
+def test_a_long_prompt_prefills_in_parts_on_cuda_with_the_tokens_of_one_pass(checkpoints):
+    """Chunked prefill on the GPU (parts of 32 rows, each reading the earlier parts through its mask)
+    beside requests that decode meanwhile: every request's tokens equal those of whole prefills."""
+    prompts = [" ".join(PROMPTS * 6), *PROMPTS]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    parts = LLM(checkpoints[0], device="cuda", dtype="float32", prefill_chunk=32)
+    assert len(parts.encode(prompts[0])) >= 96
+    whole = LLM(checkpoints[0], device="cuda", dtype="float32", prefill_chunk=0)
+    assert [o.token_ids for o in parts.generate(prompts, params)] == [o.token_ids for o in whole.generate(prompts, params)]
+
+
 def test_lossless_early_exit_on_cuda_equals_full_depth(checkpoints):
     llm = LLM(checkpoints[0], device="cuda", dtype="float32")
     params = SamplingParams(max_tokens=24, ignore_eos=True)

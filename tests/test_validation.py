@@ -43,6 +43,8 @@ def no_model_loads(monkeypatch):
     (["bench", "speed", "--threshold-scale", "0"], ["bench speed", "--threshold-scale"]),
     (["generate", "--prompt", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 100000}'],
      ["num_speculative_tokens", "100000"]),
+    (["serve", "--prefill-chunk", "5"], ["--prefill-chunk", "0 (whole prompts) or at least 32", "'5'"]),
+    (["serve", "--max-num-batched-tokens", "0"], ["--max-num-batched-tokens"]),
 ])
 def test_bad_flags_are_one_line_before_any_work(capsys, no_model_loads, argv, needles):
     code, _, err = run_cli(capsys, *argv)

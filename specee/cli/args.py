@@ -171,6 +171,15 @@ def non_negative_int(value: str) -> int:
     return _int_at_least(value, 0, "non-negative")
 
 
+def prefill_chunk_arg(value: str) -> int:
+    from ..engine.scheduling import MIN_PROMPT_PART
+
+    n = _int_at_least(value, 0, "non-negative")
+    if 0 < n < MIN_PROMPT_PART:
+        raise argparse.ArgumentTypeError(f"expected 0 (whole prompts) or at least {MIN_PROMPT_PART}, got {value!r}")
+    return n
+
+
 def speculative_k(value: str) -> int:
     """--k: checked here, before a model loads or a calibration starts (a huge k would fail minutes later)."""
     k = _int_at_least(value, 1, "positive")
@@ -303,7 +312,7 @@ def load_llm(args: argparse.Namespace):
         llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
                   speculative_config=speculative, threads=args.threads,
                   kv_cache_memory=getattr(args, "kv_cache_memory", None),
-                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **scheduling(args))
     except QuantizationError as e:
         raise CLIError(f"--quantization {quantization}: {e}; --quantization none runs float weights") from None
     if args.quantization:
@@ -314,6 +323,12 @@ def load_llm(args: argparse.Namespace):
     if getattr(args, "no_tune", True) is False and args.draft is None and args.speculative_config is None:
         use_tuned(llm)
     return llm
+
+
+def scheduling(args: argparse.Namespace) -> dict:
+    """The engine's scheduling flags the command has (serve's)."""
+    names = ("max_num_batched_tokens", "prefill_chunk")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def use_tuned(llm) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..engine.scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_PREFILL_CHUNK
 from .args import (CLIError, add_early_exit_args, add_model_args, add_speculative_args, load_llm, positive_int,
-                   resolve_model_dir)
+                   prefill_chunk_arg, resolve_model_dir)
 
 API_KEY_ENV = "SPECEE_API_KEY"
 
@@ -30,6 +31,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="requests decoded at once; later ones wait (default: 64)")
     g.add_argument("--max-queue", type=positive_int, default=512, metavar="N",
                    help="requests that may wait; beyond it 429 with Retry-After (default: 512)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_BATCHED_TOKENS, metavar="N",
+                   help="rows a step runs: one per decoding request, plus prompt parts (a step may pass it by one "
+                        f"part) (default: {DEFAULT_MAX_BATCHED_TOKENS})")
+    g.add_argument("--prefill-chunk", type=prefill_chunk_arg, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help="a longer prompt prefills N tokens a step, so that running requests keep streaming meanwhile; "
+                        f"0: whole prompts (default: {DEFAULT_PREFILL_CHUNK})")
     r = p.add_argument_group("Ray Serve (pip install 'ray[serve]')")
     r.add_argument("--ray", action="store_true",
                    help="serve the same app as a Ray Serve deployment: replicas over a Ray cluster (RAY_ADDRESS, "

@@ -2,7 +2,7 @@
 
     step():
         batch = scheduler.schedule()               # running requests + newcomers that fit
-        segments = [plan(r) for r in batch]        # a newcomer's prompt, or the rows its decoding adds
+        segments = [plan(r) for r in batch]        # a part of a prompt, or the rows its decoding adds
         h, features = runner.forward(segments)     # one ragged forward over every request's rows
         verdicts = choose(batch, h)                # sample / accept drafts; one host read for all
         commit(batch, verdicts)                    # cache lengths (rollback), drafters, stop checks
@@ -25,24 +25,24 @@ from .decoding import FullDepth
 from .kv_manager import KVCacheManager, parse_kv_budget
 from .runner import ModelRunner, Segment
 from .scheduler import Running, Scheduler
+from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, check_scheduling
 from .sequence import Sequence
-
-DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_MAX_BATCHED_TOKENS = 8192
 
 
 class Engine:
     def __init__(self, model: Transformer, decoding: FullDepth | None = None, kv_cache_memory: int | str | None = None,
-                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS):
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs (--max-num-seqs) must be a positive integer, got {max_num_seqs!r}")
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        """max_num_batched_tokens: rows a step runs (a step with prompt parts may pass it by one part);
+        prefill_chunk: the prompt tokens a step prefills of one request (0: whole prompts)."""
+        check_scheduling(max_num_seqs, max_num_batched_tokens, prefill_chunk)
         self.model = model
         self.decoding = decoding or FullDepth(model)
         self.kv = KVCacheManager(model.cfg, model.device, model.kv_dtype,
                                  parse_kv_budget(kv_cache_memory, model.cfg, model.kv_dtype))
         self.runner = ModelRunner(model, DecodeGraphs(model, self.kv) if model.device.type == "cuda" else None)
         self.scheduler = Scheduler(self.kv, model.cfg.context_limit, self.decoding.extra_rows, max_num_seqs,
-                                   max_num_batched_tokens)
+                                   max_num_batched_tokens, prefill_chunk, self.decoding.prefill_length)
 
     def check(self, seq: Sequence) -> None:
         """Raise ValueError if the request can never run (empty, longer than the context or the cache)."""
@@ -69,9 +69,9 @@ class Engine:
             t0 = device_time(self.model.device)
             decoding = sum(r.prefilled for r in batch)
             self.decoding.begin_step(batch)
-            plans = [self._plan(r) for r in batch]
+            plans = [self._plan(r, t0) for r in batch]
             h, features, rows = self.runner.forward([s for p in plans for s in p], self.decoding.feature_layers)
-            emitted = self._commit(batch, *self._deciding(plans, rows), h, features, t0)
+            emitted = self._commit(batch, *self._deciding(plans, rows), h, features)
             if decoding == len(batch):  # a pure decode step measures the decoding (no prefill inside)
                 self.decoding.end_step(emitted, device_time(self.model.device) - t0)
         failed, done = self.scheduler.retire()
@@ -79,17 +79,21 @@ class Engine:
             self._settle(r)
         return failed + [r.seq for r in done]
 
-    def _plan(self, r: Running) -> list[Segment]:
-        """A request's segments, the last of which decides its tokens: a running request's rows; a
-        newcomer's prefill, whose last row gives its first token, or, where the decoding's first pass
-        takes the prompt's last token (lossy early exit), the prefill of the others and that pass in
-        the same forward (each layer writes the prefill's K/V before the pass reads them)."""
+    def _plan(self, r: Running, t0: float) -> list[Segment]:
+        """A request's segments, the last of which decides its tokens: a running request's rows; the
+        next part of its prefill (the scheduler's), whose last row gives its first token when it ends
+        the prompt, or, where the decoding's first pass takes the prompt's last token (lossy early
+        exit), the prefill's last part and that pass in the same forward (each layer writes the
+        prefill's K/V before the pass reads them)."""
         if r.prefilled:
             return [self.decoding.plan(r)]
-        n = self.decoding.prefill_length(r.seq)
-        prefill = [Segment(torch.tensor(r.seq.prompt_ids[:n], device=self.model.device), r.cache,
-                           self.model.range_inputs(0, n))] if n else []
-        if n == len(r.seq.prompt_ids):
+        start, end = self.scheduler.part(r)
+        if start == 0:
+            r.prefill_since = t0
+        prefill = [Segment(torch.tensor(r.seq.prompt_ids[start:end], device=self.model.device), r.cache,
+                           self.model.range_inputs(start, end - start, prompt=True))] if end > start else []
+        r.prefill_done = end
+        if end < self.decoding.prefill_length(r.seq) or end == len(r.seq.prompt_ids):
             return prefill
         self._start(r, [], None, device_time(self.model.device))
         return prefill + [self.decoding.plan(r)]
@@ -107,7 +111,7 @@ class Engine:
         return firsts, counts
 
     def _commit(self, batch: list[Running], firsts: list[int], rows: list[int], h: torch.Tensor,
-                features: torch.Tensor | None, t0: float) -> int:
+                features: torch.Tensor | None) -> int:
         """Choose every request's tokens from its rows' logits (a newcomer: its prompt's last row)
         with one LM-head call and one host read, then commit them; returns how many tokens were
         emitted. A request whose rows left the forward early (an exit) already has its verdict."""
@@ -117,8 +121,8 @@ class Engine:
                 pick = range(0)
             elif r.prefilled:
                 pick = self.decoding.picks(r, n)
-            else:  # a prefill: its last row gives the first token, if the decoding takes it from there
-                pick = range(n - 1, n) if n == len(r.seq.prompt_ids) else range(0)
+            else:  # a prefill's part: the prompt's last row gives the first token
+                pick = range(n - 1, n) if r.prefill_done == len(r.seq.prompt_ids) else range(0)
             picks.append(range(offset + pick.start, offset + pick.stop))
         logits = self.model.logits(self._rows(h, picks)) if any(picks) else None
         verdicts, at = [], 0
@@ -143,10 +147,16 @@ class Engine:
                 continue
             if r.prefilled:
                 emitted = self.decoding.commit(r, verdict, feats)
+            elif r.prefill_done < len(r.seq.prompt_ids):  # a part of its prompt: its K/V written, no token yet
+                if feats is not None:
+                    r.prompt_features.append(feats)
+                continue
             else:
                 emitted = verdict
+                if r.prompt_features:
+                    feats = torch.cat([*r.prompt_features, feats])
                 self._start(r, verdict, feats, now)
-                r.seq.stats.prefill_seconds = now - t0
+                r.seq.stats.prefill_seconds = now - r.prefill_since
             for token in emitted:
                 r.seq.append(token)
                 if r.seq.finished:

@@ -26,7 +26,8 @@ from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer, utf8_text
 from ..exit.config import EarlyExitConfig
 from .early_exit import EarlyExitDecoding
-from .engine import DEFAULT_MAX_NUM_SEQS, Engine
+from .engine import Engine
+from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, check_scheduling
 from .sequence import RequestOutput, Sequence
 from .teacher import TeacherForcedStep
 from .threads import ThreadPolicy, check_threads, prefetch_setting
@@ -145,7 +146,9 @@ class LLM:
     threads: CPU threads (torch's setting, process-wide); None: the fastest of a few counts, timed on
     one decode step at load and rechecked between requests (engine/threads.py: it keeps the speed
     when another process is busy). kv_cache_dtype: "auto" (float16 where specee's AVX-512 attention
-    reads the cache, else the compute dtype), "float16" or "float32".
+    reads the cache, else the compute dtype), "float16" or "float32". max_num_seqs,
+    max_num_batched_tokens, prefill_chunk: the engine's scheduling (engine/engine.py; prefill_chunk:
+    a longer prompt prefills this many tokens a step, so running requests keep decoding; 0: whole).
     """
 
     @_collector_paused
@@ -153,10 +156,12 @@ class LLM:
                  early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
                  quantization: str | None = "auto", speculative_config: dict | None = None,
                  kv_cache_memory: int | str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 threads: int | None = None, kv_cache_dtype: str = "auto"):
+                 threads: int | None = None, kv_cache_dtype: str = "auto",
+                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a path or a Hugging Face hub id (str or Path), got {model!r}")
         threads = check_threads(threads)
+        check_scheduling(max_num_seqs, max_num_batched_tokens, prefill_chunk)
         prefetch_setting()  # a bad SPECEE_INT4_PREFETCH fails here, before any loading
         dev = check_device(device)
         if quantization not in QUANTIZATIONS:
@@ -176,7 +181,9 @@ class LLM:
         self.threads = ThreadPolicy(self.model, threads)  # .choice: the count (and timings if measured)
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
-        self.kv_cache_memory, self.max_num_seqs = kv_cache_memory, max_num_seqs
+        self.kv_cache_memory = kv_cache_memory
+        self.scheduling = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                           "prefill_chunk": prefill_chunk}
         self._early_exit: EarlyExitDecoding | None = None
         self._speculative = None  # a SpeculativeDecoding (speculative/speculative.py), the engine's decoding
         self._uncalibrated: tuple[EarlyExitConfig, Drafter] | None = None  # early exit waiting for its bank
@@ -204,6 +211,16 @@ class LLM:
         self._speculative = decoding
         self._new_engine()
 
+    def set_scheduling(self, **settings: int) -> None:
+        """Change the engine's scheduling (max_num_seqs, max_num_batched_tokens, prefill_chunk) between
+        requests: a new engine."""
+        if unknown := set(settings) - set(self.scheduling):
+            raise TypeError(f"unknown scheduling setting(s) {sorted(unknown)}; choose {sorted(self.scheduling)}")
+        merged = {**self.scheduling, **settings}
+        check_scheduling(**merged)
+        self.scheduling = merged
+        self._new_engine()
+
     def fit_kv_cache(self, tokens: int) -> None:
         """Size the KV pool for one request of `tokens` (prompt + max_tokens; the decoding's extra rows
         are added) in place of the default 1 GiB, for a command that serves one request: its pool is laid
@@ -222,7 +239,7 @@ class LLM:
 
     def _new_engine(self) -> None:
         """The engine for the configured decoding: early exit, speculative decoding or full depth."""
-        self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory, self.max_num_seqs)
+        self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory, **self.scheduling)
         if getattr(self, "_worker", None) is not None:  # modes switch between requests, none in flight
             self._worker.engine = self.engine
 

@@ -3,21 +3,30 @@
 A request is checked when it is added (empty prompt, context, the cache pool's size): one that can
 never run ends at once with finish_reason "error" and its message, and nobody else sees it. A
 waiting request is admitted, in arrival order, when a running slot (`max_num_seqs`), the step's
-token budget (`max_num_batched_tokens`: prompt rows of newcomers plus one row per running request)
-and a run of cache blocks are free; otherwise it waits. Admission reserves all the cache the
+token budget (`max_num_batched_tokens`: one row per decoding request plus the prompt rows of the
+step) and a run of cache blocks are free; otherwise it waits. Admission reserves all the cache the
 request can use, so a running request never stalls for memory.
+
+Chunked prefill: a prompt longer than `prefill_chunk` tokens is prefilled a part at a time, one part
+a step, so that a long prompt does not stop everyone else's decoding for the whole of its prefill.
+The parts depend on the prompt alone (scheduling.py's `prompt_part_end`), never on what shares the
+step, and none is shorter than 32 rows: every part then runs the arithmetic the whole prompt would
+(on the C++ layer each row's numbers do not depend on where its part starts), so chunking changes
+no token. A part waits for a later step when the budget is spent; at least one runs each step.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..model.kv_cache import ContextLengthError, KVCache
 from .kv_manager import KVCacheManager
+from .scheduling import prompt_part_end
 from .sequence import Sequence
 
 
@@ -52,6 +61,9 @@ class Running:
     cache: KVCache
     generator: torch.Generator | None
     prefilled: bool = False
+    prefill_done: int = 0  # prompt tokens whose K/V the steps so far have written (chunked prefill)
+    prompt_features: list[torch.Tensor] = field(default_factory=list)  # earlier parts' features (EAGLE)
+    prefill_since: float = 0.0
     last: int = -1  # the last emitted token, whose K/V the next step writes
     state: Any = None  # the decoding's per-request state (a drafter, speculation stats, this step's draft)
     decode_since: float = 0.0
@@ -59,9 +71,11 @@ class Running:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, context_limit: int, extra_rows: int, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, prefill_chunk: int, prefill_length: Callable[[Sequence], int]):
+        """prefill_length: how many prompt tokens a request's prefill runs (its decoding's rule)."""
         self.kv, self.context_limit, self.extra_rows = kv, context_limit, extra_rows
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefill_chunk, self.prefill_length = prefill_chunk, prefill_length
         self.waiting: deque[Sequence] = deque()
         self.running: list[Running] = []
         self.failed: list[Sequence] = []  # ended at add_request; returned by the next step
@@ -81,23 +95,37 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.failed)
 
+    def part(self, r: Running) -> tuple[int, int]:
+        """The prompt tokens [start, end) of a request's next prefill part."""
+        return r.prefill_done, prompt_part_end(r.prefill_done, self.prefill_length(r.seq), self.prefill_chunk)
+
     def schedule(self) -> list[Running]:
-        """The requests of the next step: the running ones, then newcomers admitted in order."""
-        budget = self.max_num_batched_tokens - len(self.running)
-        admitted = 0
+        """The requests of the next step: the decoding ones, those in the middle of their prefill whose
+        next part fits the budget, then newcomers admitted in order while theirs fits."""
+        budget = self.max_num_batched_tokens - sum(r.prefilled for r in self.running)
+        batch, prefills = [], 0
+        for r in self.running:
+            if not r.prefilled:
+                start, end = self.part(r)
+                if prefills and end - start > budget:
+                    continue  # its next part waits for a step with room
+                budget, prefills = budget - (end - start), prefills + 1
+            batch.append(r)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if admitted and len(seq.prompt_ids) > budget:  # one newcomer always fits a step
+            rows = prompt_part_end(0, self.prefill_length(seq), self.prefill_chunk)
+            if prefills and rows > budget:  # at least one prompt part runs a step
                 break
             cache = self.kv.allocate(seq.request_id, len(seq.prompt_ids) + seq.params.max_tokens + self.extra_rows)
             if cache is None:  # waits for blocks to come free (first come, first served)
                 break
             self.waiting.popleft()
+            budget, prefills = budget - rows, prefills + 1
             seq.stats.scheduled_time = time.monotonic()
-            self.running.append(Running(seq, cache, seq.params.make_generator(cache.k.device)))
-            budget -= len(seq.prompt_ids)
-            admitted += 1
-        return self.running
+            r = Running(seq, cache, seq.params.make_generator(cache.k.device))
+            self.running.append(r)
+            batch.append(r)
+        return batch
 
     def retire(self) -> tuple[list[Sequence], list[Running]]:
         """The requests that ended since the last call: those refused at add_request, and the running

@@ -53,8 +53,10 @@ class StepInputs:
     kv_len: how many cache slots attention reads; reads: which of them each row attends to, alone
     (no other field changes its meaning):
       "all"     every slot below kv_len (a decode row);
-      "causal"  the rows are slots 0..S-1 of an unpadded sequence (a prefill): causal attention,
-                no mask, the fused kernels;
+      "causal"  a prompt's rows, slots start..start+S-1 of an unpadded sequence, each reading the
+                slots up to its own; from slot 0 (a prefill) no mask, causal attention in the fused
+                kernels; from a later slot (a chunked prefill's later part) `mask` holds the rule for
+                attention that is not the C++ layer's own (the Python layer, ATen's fallback);
       "chain"   each row exactly the slots up to its own (a verification chain): the C++ layer
                 attends each row alone over that prefix, as a decode row; `mask` holds the same
                 rule for the Python layer;
@@ -69,8 +71,10 @@ class StepInputs:
     mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if (self.mask is not None) != (self.reads in ("chain", "mask")):
-            raise ValueError(f"reads={self.reads!r} {'needs' if self.mask is None else 'takes no'} mask")
+        if self.mask is None and self.reads in ("chain", "mask"):
+            raise ValueError(f"reads={self.reads!r} needs a mask")
+        if self.mask is not None and self.reads == "all":
+            raise ValueError("reads='all' takes no mask")
 
     @property
     def causal(self) -> bool:
@@ -290,14 +294,16 @@ class Transformer:
         return StepInputs(slots=slots, cos=cos, sin=sin, kv_len=kv_len, reads="all" if mask is None else "mask",
                           mask=mask)
 
-    def range_inputs(self, start: int, count: int) -> StepInputs:
+    def range_inputs(self, start: int, count: int, prompt: bool = False) -> StepInputs:
         """Inputs for `count` rows of one unpadded sequence at slots (= positions) start..start+count-1,
-        each reading the slots up to its own: RoPE rows are views of the tables, not gathers."""
+        each reading the slots up to its own: RoPE rows are views of the tables, not gathers. Rows
+        from slot 0, or a `prompt`'s part from a later slot (chunked prefill), read as a prompt's
+        ("causal"); other rows past slot 0 as a verification chain."""
         end = start + count
         slots = self.slot_ids[start:end]
         D = self.cfg.head_dim
-        reads = "all" if count == 1 else "causal" if start == 0 else "chain"
-        mask = (self.slot_ids[:end][None, :] <= slots[:, None]).view(1, 1, count, end) if reads == "chain" else None
+        reads = "all" if count == 1 else "causal" if start == 0 or prompt else "chain"
+        mask = (self.slot_ids[:end][None, :] <= slots[:, None]).view(1, 1, count, end) if start and count > 1 else None
         return StepInputs(slots=slots, cos=self.cos_table[start:end].view(1, count, 1, D),
                           sin=self.sin_table[start:end].view(1, count, 1, D), kv_len=end, reads=reads, mask=mask)
 
@@ -376,7 +382,8 @@ class Transformer:
         if gqa and step.mask is not None and self.expand_kv_for_mask:
             groups = self.cfg.num_heads // self.cfg.num_kv_heads
             k, v, gqa = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.causal, enable_gqa=gqa)
+        is_causal = step.causal and step.mask is None  # a later part of a prompt reads through its mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=is_causal, enable_gqa=gqa)
 
     def project_kv(self, i: int, h: torch.Tensor, step: StepInputs, cache: KVCache) -> None:
         """Write layer i's K/V for rows h without running the layer (CALM-style propagation)."""

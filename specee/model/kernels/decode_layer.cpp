@@ -161,8 +161,10 @@ class DecodeLayer {
 
   // Rows h [1, S, H] of one sequence at cache `slots` [S] (int64); cos, sin [1, S, 1, D] (their
   // positions); the layer's cache k, v [1, kv_heads, len, D]; kv_len: slots attention reads;
-  // mask: [1, 1, S, kv_len] bool or empty (none); causal: rows are slots 0..S-1 (no mask needed);
-  // chain: each row reads exactly the slots up to its own (model/llama.py StepInputs.chain).
+  // mask: [1, 1, S, kv_len] bool or empty (none); causal: a prompt's rows, consecutive slots from 0 (no
+  // mask) or from where a chunked prefill's part starts (the mask says so for ATen's attention), each
+  // reading the slots up to its own; chain: the same reads for a verification chain, whose rows must
+  // compute what decode rows compute (model/llama.py StepInputs).
   at::Tensor forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                      at::Tensor v_cache, const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                      bool causal, bool chain) const {
@@ -294,7 +296,7 @@ class DecodeLayer {
     for (size_t g = 0; g < rows.size(); ++g) {
       if (!on_tiles(g)) continue;
       const at::Tensor &kc = k[g], &vc = v[g];
-      prompt_attention(qs[g].data_ptr<float>(), rows[g], D, NH, NKV, kc.data_ptr<at::Half>(), kc.stride(1),
+      prompt_attention(qs[g].data_ptr<float>(), slot[firsts[g]], rows[g], D, NH, NKV, kc.data_ptr<at::Half>(), kc.stride(1),
                        vc.data_ptr<at::Half>(), vc.stride(1), attn.data_ptr<float>() + firsts[g] * NH * D, NH * D);
     }
     for (size_t g = 0; g < rows.size(); ++g) {
@@ -349,7 +351,7 @@ class DecodeLayer {
     }
     std::optional<at::Tensor> attn_mask;
     if (mask.numel()) attn_mask = mask;
-    return at::scaled_dot_product_attention(q, k_cache, v_cache, attn_mask, 0.0, causal, std::nullopt, gqa);
+    return at::scaled_dot_product_attention(q, k_cache, v_cache, attn_mask, 0.0, causal && !attn_mask, std::nullopt, gqa);
   }
 
   at::Tensor attn_norm_, mlp_norm_;
@@ -436,14 +438,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("prompt_attention_available", &prompt_attention_available);
   m.def("prompt_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {  // for tests
+    // q: the last S of the L = k.size(1) slots
     TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && k.dim() == 3 && k.scalar_type() == at::kHalf &&
-                    v.sizes() == k.sizes() && v.scalar_type() == at::kHalf && k.size(1) == q.size(1) &&
-                    k.size(2) == q.size(2), "prompt_attention: q [heads, S, D] float32, k and v [kv_heads, S, D] float16");
+                    v.sizes() == k.sizes() && v.scalar_type() == at::kHalf && k.size(1) >= q.size(1) &&
+                    k.size(2) == q.size(2), "prompt_attention: q [heads, S, D] float32, k and v [kv_heads, L >= S, D] float16");
     const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-    const int64_t H = q.size(0), S = q.size(1), D = q.size(2);
+    const int64_t H = q.size(0), S = q.size(1), D = q.size(2), L = k.size(1);
     at::Tensor out = at::empty({S, H * D}, q.options());
-    prompt_attention(qc.data_ptr<float>(), S, D, H, k.size(0), kc.data_ptr<at::Half>(), S * D, vc.data_ptr<at::Half>(),
-                     S * D, out.data_ptr<float>(), H * D);
+    prompt_attention(qc.data_ptr<float>(), L - S, S, D, H, k.size(0), kc.data_ptr<at::Half>(), L * D,
+                     vc.data_ptr<at::Half>(), L * D, out.data_ptr<float>(), H * D);
     return out;
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,0 +1,30 @@
+"""The engine's scheduling settings (vLLM's SchedulerConfig): their defaults, which `LLM`, the engine
+and the command line share, their checks, and how a prompt is cut into prefill parts."""
+from __future__ import annotations
+
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_BATCHED_TOKENS = 2048  # vLLM's default with chunked prefill
+DEFAULT_PREFILL_CHUNK = 512
+
+# a prompt part's fewest rows unless the whole prompt is shorter: decode_layer.cpp's kTilePromptRows,
+# from which a prompt's rows run on AMX tiles (a shorter last part would not, and would round differently)
+MIN_PROMPT_PART = 32
+
+
+def prompt_part_end(done: int, length: int, chunk: int) -> int:
+    """Where the part of a `length`-token prefill that starts at `done` ends: `chunk` tokens on (0: no
+    chunking), or the end if less than MIN_PROMPT_PART would be left after it."""
+    end = min(length, done + chunk) if chunk else length
+    return length if length - end < MIN_PROMPT_PART else end
+
+
+def check_scheduling(max_num_seqs: object, max_num_batched_tokens: object, prefill_chunk: object) -> None:
+    """A one-line error naming the setting, before anything loads."""
+    for name, value, least in (("max_num_seqs", max_num_seqs, 1), ("max_num_batched_tokens", max_num_batched_tokens, 1),
+                               ("prefill_chunk", prefill_chunk, 0)):
+        flag = "--" + name.replace("_", "-")
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} ({flag}) must be an integer of at least {least}, got {value!r}")
+    if 0 < prefill_chunk < MIN_PROMPT_PART:
+        raise ValueError(f"prefill_chunk (--prefill-chunk) must be 0 (whole prompts) or at least {MIN_PROMPT_PART}, "
+                         f"got {prefill_chunk}")
