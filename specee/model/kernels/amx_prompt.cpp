@@ -246,7 +246,7 @@ SPECEE_AMX_BF16 void round_to_bf16(const float* x, uint16_t* out, int64_t n) {
 
 // x [M, K] float32 rounded to bf16, then units [0, N / 32) split between threads.
 template <class Units>
-at::Tensor tiles_mm(const at::Tensor& x, const Units& units, int64_t N) {
+at::Tensor tiles_mm(const at::Tensor& x, const Units& units, int64_t N, const at::Tensor& out_rows) {
   const at::Tensor xf = x.contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
   at::Tensor xb = at::empty({M, K}, at::kShort);
@@ -254,7 +254,7 @@ at::Tensor tiles_mm(const at::Tensor& x, const Units& units, int64_t N) {
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, kConvertGrain / K),
                    [&](int64_t r0, int64_t r1) { round_to_bf16(xp + r0 * K, xbp + r0 * K, (r1 - r0) * K); });
-  at::Tensor y = at::empty({M, N}, at::kFloat);
+  at::Tensor y = product_output(out_rows, M, N, false);
   float* out = y.data_ptr<float>();
   at::parallel_for(0, N / kUnit, 1, [&](int64_t u0, int64_t u1) { run_units(units, xbp, M, K, out, N, u0, u1); });
   return y;
@@ -286,22 +286,22 @@ bool amx_enabled() { return g_enabled.load() && amx_available() && int4_level() 
 
 void amx_set_enabled(bool on) { g_enabled.store(on); }
 
-at::Tensor int4_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+at::Tensor int4_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& out) {
   check_input(x, "int4_mm_amx");
   TORCH_CHECK(packed.size(1) * 4 == x.size(1), "int4_mm_amx: a weight packed for K = ", x.size(1));
 #ifdef SPECEE_AMX_BUILT
   return tiles_mm(x, Int4Units{packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), x.size(1)},
-                  packed.size(0) * 64);
+                  packed.size(0) * 64, out);
 #else
   return {};
 #endif
 }
 
-at::Tensor kquant_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles) {
+at::Tensor kquant_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles, const at::Tensor& out) {
   check_input(x, "kquant_mm_amx");
   TORCH_CHECK(tiles.size(0) % 2 == 0, "kquant_mm_amx: an even number of 16-output tiles (kquant_check'ed)");
 #ifdef SPECEE_AMX_BUILT
-  return tiles_mm(x, KQuantUnits{packed.data_ptr<uint8_t>(), tiles.data_ptr<int64_t>(), x.size(1)}, tiles.size(0) * 16);
+  return tiles_mm(x, KQuantUnits{packed.data_ptr<uint8_t>(), tiles.data_ptr<int64_t>(), x.size(1)}, tiles.size(0) * 16, out);
 #else
   return {};
 #endif

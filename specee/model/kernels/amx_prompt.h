@@ -9,6 +9,7 @@ bool amx_available();           // the CPU has AMX-BF16 and this process may use
 bool amx_enabled();             // available, not switched off, and the kernels at their AVX-512 level
 void amx_set_enabled(bool on);  // SPECEE_AMX=0 in Python (kernels/__init__.py)
 // x [M, K] float32 times an int4 weight in int4_common.h's layout: float32 [M, N]
-at::Tensor int4_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+at::Tensor int4_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& out = {});
 // x [M, K] float32 times GGUF blocks in kquant.cpp's layout (an even number of tiles): float32 [M, 16 T]
-at::Tensor kquant_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles);
+at::Tensor kquant_mm_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles,
+                         const at::Tensor& out = {});

@@ -54,18 +54,21 @@ struct Linear {
   // whether a prompt's rows can run on AMX tiles: int4, or GGUF blocks in pairs of 16-output tiles
   bool tiled() const { return kind == 3 || (kind == 4 && aux.size(0) % 2 == 0); }
 
-  at::Tensor operator()(const at::Tensor& x, bool tiles = false) const {  // x [S, K] float32 -> [S, N] float32
+  // x [S, K] float32 -> [S, N] float32, into `out` if given (rows of a larger output)
+  at::Tensor operator()(const at::Tensor& x, bool tiles = false, const at::Tensor& out = {}) const {
     at::Tensor y;
-    if (kind == 0) {
-      y = at::linear(x, w);
-    } else if (kind == 1) {
-      y = at::_weight_int8pack_mm(x.to(at::kBFloat16), w, aux).to(at::kFloat);
-    } else if (kind == 2) {
-      y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, aux).to(at::kFloat);
-    } else if (kind == 3) {
-      y = tiles ? int4_mm_amx(x, w, aux) : int4_mm(x, w, aux);
+    if (kind == 3) {
+      y = tiles ? int4_mm_amx(x, w, aux, out) : int4_mm(x, w, aux, out);
+    } else if (kind == 4) {
+      y = tiles ? kquant_mm_amx(x, w, aux, out) : kquant_mm(x, w, aux, out);
     } else {
-      y = tiles ? kquant_mm_amx(x, w, aux) : kquant_mm(x, w, aux);
+      if (kind == 0)
+        y = at::linear(x, w);
+      else if (kind == 1)
+        y = at::_weight_int8pack_mm(x.to(at::kBFloat16), w, aux).to(at::kFloat);
+      else
+        y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, aux).to(at::kFloat);
+      if (out.defined()) y = out.copy_(y);
     }
     if (bias.numel()) y.add_(bias);
     return y;
@@ -87,7 +90,7 @@ struct Linear {
     }
     if (parts.size() == 1) return (*this)(x, parts[0].tiles);
     at::Tensor y = at::empty({S, outputs()}, x.options());
-    for (const Run& p : parts) y.narrow(0, p.first, p.count).copy_((*this)(x.narrow(0, p.first, p.count), p.tiles));
+    for (const Run& p : parts) (*this)(x.narrow(0, p.first, p.count), p.tiles, y.narrow(0, p.first, p.count));
     return y;
   }
 };
@@ -405,13 +408,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_set_activations", &int4_set_activations);
   m.def("int4_prefetch", &int4_prefetch);
   m.def("int4_set_prefetch", &int4_set_prefetch);
-  m.def("int4_mm", &int4_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int4_mm_amx", &int4_mm_amx, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("kquant_mm_amx", &kquant_mm_amx, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // the products as Python calls them: each into a new tensor (`out` is the C++ layer's)
+  using Product = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+  const auto bind = [&m](const char* name, Product product) {
+    m.def(name, [product](const at::Tensor& x, const at::Tensor& w, const at::Tensor& aux) { return product(x, w, aux, {}); },
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  };
+  bind("int4_mm", &int4_mm);
+  bind("int4_mm_amx", &int4_mm_amx);
+  bind("kquant_mm_amx", &kquant_mm_amx);
+  bind("kquant_mm", &kquant_mm);
   m.def("amx_available", &amx_available);
   m.def("amx_enabled", &amx_enabled);
   m.def("amx_set_enabled", &amx_set_enabled);
-  m.def("kquant_mm", &kquant_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kquant_check", &kquant_check);
   m.def("kquant_repack", [](const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tensor out, int64_t at) {
     return kquant_repack(blocks, qtype, K, out, at);

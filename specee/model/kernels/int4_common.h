@@ -98,6 +98,7 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t level, i
                           int32_t* s16);
 
 // int8 activations (int4_q8.cpp): x [M, K] float32 or bf16 times the packed weight, float32 [M, N].
-at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t level);
+at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t level,
+                      const at::Tensor& out = {});
 
 }  // namespace specee_int4

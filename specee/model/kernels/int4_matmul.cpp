@@ -227,13 +227,13 @@ bool int4_prefetch() { return g_prefetch.load(); }
 
 void int4_set_prefetch(bool on) { g_prefetch.store(on); }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& out_rows) {
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
   TORCH_CHECK(xc.dim() == 2 && (xc.scalar_type() == at::kFloat || xc.scalar_type() == at::kBFloat16) &&
               packed.dim() == 4 && packed.size(1) == K / 4 && scales.size(0) == blocks && scales.size(1) == G,
               "int4_mm: float32 or bf16 activations and a weight packed for their shape");
-  if (g_activations.load() == 1) return int4_mm_q8(xc, packed, scales, int4_level());
+  if (g_activations.load() == 1) return int4_mm_q8(xc, packed, scales, int4_level(), out_rows);
   const int64_t level = int4_bf16_level();
   // the activations rounded to bf16 (as `x.to(torch.bfloat16)` rounds) and their sums per group, in
   // plain loops: in a decode step this runs for every product, where ATen calls cost more than the work
@@ -245,7 +245,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     std::copy(xc.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>() + M * K, xb.begin());
   for (int64_t i = 0; i < M * K; ++i) sums[i / kGroup] += static_cast<float>(xb[i]);
   std::copy(xb.begin(), xb.begin() + xf.size(), xf.begin());
-  at::Tensor y = level == kAvx512 ? at::empty({M, N}, at::kFloat) : at::zeros({M, N}, at::kFloat);  // avx2, portable add
+  at::Tensor y = product_output(out_rows, M, N, level != kAvx512);  // avx2, portable add into it
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data());

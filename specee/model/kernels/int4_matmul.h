@@ -14,4 +14,15 @@ int64_t int4_activations();  // 0: bf16, 1: int8 (Python sets its default, kerne
 void int4_set_activations(int64_t mode);
 bool int4_prefetch();  // whether int4 products of 1-3 rows prefetch their weights (int4_common.h)
 void int4_set_prefetch(bool on);
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& out = {});
+
+// Where a product writes its float32 [M, N]: `out` when given (rows of a larger output: a step whose
+// rows run two ways writes each part in place, not through a copy), else a new tensor; zeroed when
+// the kernel adds into it.
+inline at::Tensor product_output(const at::Tensor& out, int64_t M, int64_t N, bool zeroed) {
+  if (!out.defined()) return zeroed ? at::zeros({M, N}, at::kFloat) : at::empty({M, N}, at::kFloat);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  out.is_contiguous(), "a product's out: float32 [M, N], contiguous");
+  if (zeroed) out.zero_();
+  return out;
+}

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "int4_common.h"
+#include "int4_matmul.h"
 
 namespace specee_int4 {
 namespace {
@@ -300,13 +301,14 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t level, i
   });
 }
 
-at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t level) {
+at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t level,
+                      const at::Tensor& out_rows) {
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // bf16 widens exactly
   const int64_t M = xf.size(0), K = xf.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * G), ds(M * G);
   quantize_activations(xf.data_ptr<float>(), M, K, level, q.data(), d.data(), ds.data(), nullptr);
-  at::Tensor y = at::empty({M, N}, at::kFloat);
+  at::Tensor y = product_output(out_rows, M, N, false);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   float* out = y.data_ptr<float>();

@@ -193,7 +193,7 @@ void kquant_check(const at::Tensor& packed, const at::Tensor& tiles, int64_t K) 
   }
 }
 
-at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles) {
+at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles, const at::Tensor& out_rows) {
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();  // bf16 widens exactly
   const int64_t M = xf.size(0), K = xf.size(1), T = tiles.size(0), N = 16 * T;
   TORCH_CHECK(xf.dim() == 2 && K % 32 == 0 && tiles.dim() == 2 && tiles.size(1) == 4,
@@ -204,7 +204,7 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   std::vector<int32_t> s16(M * K / 16);
   specee_int4::quantize_activations(xf.data_ptr<float>(), M, K, int4_level(), q.data(), d.data(), ds.data(), s16.data());
   const Act act{q.data(), d.data(), ds.data(), s16.data(), K};
-  at::Tensor y = at::zeros({M, N}, at::kFloat);  // each (super-)block adds into it
+  at::Tensor y = product_output(out_rows, M, N, true);  // each (super-)block adds into it
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   const Kernels kernels = level_kernels();

@@ -19,7 +19,7 @@ constexpr int64_t kquant_block_inputs(int64_t type) { return type == kQ4K || typ
 // x [M, K] float32 or bf16; packed: uint8, the tiles' bytes; tiles: int64 [T, 4], tile t's (byte
 // offset of its group's first block in packed, GGUF type: 6 Q5_0 / 8 Q8_0 / 12 Q4_K / 14 Q6_K, tiles
 // in its group, its place there) for outputs 16 t .. 16 t + 15 (layout: kquant.cpp). float32 [M, 16 T].
-at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles);
+at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles, const at::Tensor& out = {});
 
 // Every tile's entry is a tile of one of those types inside packed, for inputs of width K (a multiple
 // of its type's block): checked once when a linear is built (model/quant_gguf.py), not on every
