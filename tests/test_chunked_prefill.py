@@ -4,7 +4,6 @@ prompt rows stay within its token budget."""
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import pytest
 from checkpoints import make_checkpoint
@@ -67,9 +66,13 @@ def recorded(engine) -> list[dict[str, int]]:
     """Each step's batch from here on: request id -> the prompt rows it prefills in the step (0: it decodes)."""
     log, schedule, scheduler = [], engine.scheduler.schedule, engine.scheduler
 
+    def prompt_rows(r) -> int:
+        start, end = scheduler.part(r)
+        return end - start
+
     def logged():
         batch = schedule()
-        log.append({r.seq.request_id: 0 if r.prefilled else -operator.sub(*scheduler.part(r)) for r in batch})
+        log.append({r.seq.request_id: 0 if r.prefilled else prompt_rows(r) for r in batch})
         return batch
     scheduler.schedule = logged
     return log
@@ -128,6 +131,23 @@ def test_a_step_runs_prompt_parts_within_its_token_budget(checkpoints):
     assert all(running.request_id in step for step in log[: max(starts) + 1])
     for s in [running, *longs]:
         assert s.output_ids == llm.generate([s.prompt_ids], s.params)[0].token_ids
+
+
+def test_a_request_aborted_in_the_middle_of_its_prefill_leaves_and_frees_its_blocks(checkpoints):
+    llm = LLM(checkpoints[0], dtype="float32", quantization="int4", prefill_chunk=32)
+    engine, greedy = llm.engine, SamplingParams(ignore_eos=True, max_tokens=6)
+    running, long_seq = sequence(llm, PROMPTS[2], greedy), sequence(llm, LONG, greedy)
+    engine.add_request(running)
+    engine.add_request(long_seq)
+    engine.step()
+    (r,) = [r for r in engine.scheduler.running if r.seq is long_seq]
+    assert 0 < r.prefill_done < len(long_seq.prompt_ids)
+    engine.abort(long_seq)
+    while engine.has_unfinished():
+        engine.step()
+    assert long_seq.finish_reason == "abort" and not long_seq.output_ids
+    assert engine.kv.free_blocks == engine.kv.num_blocks
+    assert running.output_ids == llm.generate([running.prompt_ids], greedy)[0].token_ids
 
 
 def test_bad_scheduling_settings_fail_at_once_naming_the_setting(checkpoints):

@@ -87,6 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # before loading, so bad values fail fast
     check_fits_before_loading(args, prompt, params)
     llm = load_llm(args)
+    llm.set_scheduling(prefill_chunk=0)  # one request: no one decodes beside its prompt, which prefills at once
     chat = use_chat_template(llm, args.no_chat)
     if args.kv_cache_memory is None:  # one request: a pool its size (LLM.fit_kv_cache says why)
         llm.fit_kv_cache(len(llm.encode(prompt, chat)) + params.max_tokens)
@@ -141,6 +142,7 @@ def read_line(prompt: str) -> str | None:
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     llm = load_llm(args)
+    llm.set_scheduling(prefill_chunk=0)  # one request at a time: the conversation's prompt prefills at once
     if llm.tokenizer.chat_template is None:
         raise CLIError(f"{llm.model_dir} has no chat template, which chat needs; "
                        "use `specee generate --no-chat --prompt ...` for raw text")

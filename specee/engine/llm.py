@@ -147,7 +147,7 @@ class LLM:
     one decode step at load and rechecked between requests (engine/threads.py: it keeps the speed
     when another process is busy). kv_cache_dtype: "auto" (float16 where specee's AVX-512 attention
     reads the cache, else the compute dtype), "float16" or "float32". max_num_seqs,
-    max_num_batched_tokens, prefill_chunk: the engine's scheduling (engine/engine.py; prefill_chunk:
+    max_num_batched_tokens, prefill_chunk: the engine's scheduling (engine/scheduling.py; prefill_chunk:
     a longer prompt prefills this many tokens a step, so running requests keep decoding; 0: whole).
     """
 

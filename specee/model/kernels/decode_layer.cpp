@@ -299,8 +299,9 @@ class DecodeLayer {
     for (size_t g = 0; g < rows.size(); ++g) {
       if (!on_tiles(g)) continue;
       const at::Tensor &kc = k[g], &vc = v[g];
-      prompt_attention(qs[g].data_ptr<float>(), slot[firsts[g]], rows[g], D, NH, NKV, kc.data_ptr<at::Half>(), kc.stride(1),
-                       vc.data_ptr<at::Half>(), vc.stride(1), attn.data_ptr<float>() + firsts[g] * NH * D, NH * D);
+      prompt_attention(qs[g].data_ptr<float>(), slot[firsts[g]], rows[g], D, NH, NKV, kc.data_ptr<at::Half>(),
+                       kc.stride(1), vc.data_ptr<at::Half>(), vc.stride(1), attn.data_ptr<float>() + firsts[g] * NH * D,
+                       NH * D);
     }
     for (size_t g = 0; g < rows.size(); ++g) {
       if (attends_alone(g)) continue;
@@ -411,8 +412,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the products as Python calls them: each into a new tensor (`out` is the C++ layer's)
   using Product = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
   const auto bind = [&m](const char* name, Product product) {
-    m.def(name, [product](const at::Tensor& x, const at::Tensor& w, const at::Tensor& aux) { return product(x, w, aux, {}); },
-          pybind11::call_guard<pybind11::gil_scoped_release>());
+    m.def(
+        name, [product](const at::Tensor& x, const at::Tensor& w, const at::Tensor& aux) { return product(x, w, aux, {}); },
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   };
   bind("int4_mm", &int4_mm);
   bind("int4_mm_amx", &int4_mm_amx);
