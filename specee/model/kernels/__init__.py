@@ -22,7 +22,8 @@
   AMX-BF16 tiles where the CPU has them (Intel Xeon 4th generation on): weights dequantized to bf16,
   activations rounded to bf16, float32 sums; 2-3x the int8 kernels on a prompt's rows.
   `prompt_attention.cpp`: that prompt's attention on the tiles too (bf16 queries, keys, values and
-  probabilities, float32 sums). `amx_tiles.h`: what the two share. SPECEE_AMX=0 or
+  probabilities, float32 sums; a chunked prefill's later part reads the earlier parts' keys from the
+  cache with the same bits). `amx_tiles.h`: what the two share. SPECEE_AMX=0 or
   `use_prompt_tiles(False)` keeps prompts on the int8 kernels and row_attention.cpp (so does a
   SPECEE_CPU_LEVEL below avx512).
 - `kquant.cpp` (+ `kquant_tile.h`; the blocks' codes and scales in `kquant_codes.h`, which
