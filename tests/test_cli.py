@@ -302,3 +302,18 @@ def test_generate_says_when_early_exit_cannot_pay(capsys, tmp_path, stories_llm,
     assert code == 0 and out.strip()
     saved = round(100 * (1 - mean_layers / L))
     assert (f"expected to skip {saved}% of the layers" in err) == warned
+
+
+def test_generate_and_chat_prefill_whole_prompts_and_serve_in_parts():
+    """One request (generate, chat): nobody decodes beside its prompt, which prefills at once; a
+    server cuts long prompts into parts unless told otherwise."""
+    from specee.cli import build_parser
+    from specee.cli.args import scheduling
+    from specee.engine.scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_PREFILL_CHUNK
+
+    parser = build_parser()
+    assert scheduling(parser.parse_args(["generate", "--prompt", "hi"])) == {"prefill_chunk": 0}
+    assert scheduling(parser.parse_args(["chat"])) == {"prefill_chunk": 0}
+    assert scheduling(parser.parse_args(["serve"])) == {"max_num_batched_tokens": DEFAULT_MAX_BATCHED_TOKENS,
+                                                        "prefill_chunk": DEFAULT_PREFILL_CHUNK}
+    assert scheduling(parser.parse_args(["serve", "--prefill-chunk", "64"]))["prefill_chunk"] == 64

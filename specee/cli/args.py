@@ -326,7 +326,7 @@ def load_llm(args: argparse.Namespace):
 
 
 def scheduling(args: argparse.Namespace) -> dict:
-    """The engine's scheduling flags the command has (serve's)."""
+    """The engine's scheduling settings the command has: serve's flags, generate's and chat's whole prompts."""
     names = ("max_num_batched_tokens", "prefill_chunk")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 

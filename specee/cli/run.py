@@ -29,7 +29,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     out.add_argument("--stats", action="store_true", help="print all request statistics to stderr, one per line")
     out.add_argument("--json", action="store_true",
                      help="print one JSON object (text, token ids, finish reason, stats) instead of streaming")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate, prefill_chunk=0)  # one request: no one decodes beside its prompt
     return p
 
 
@@ -87,7 +87,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # before loading, so bad values fail fast
     check_fits_before_loading(args, prompt, params)
     llm = load_llm(args)
-    llm.set_scheduling(prefill_chunk=0)  # one request: no one decodes beside its prompt, which prefills at once
     chat = use_chat_template(llm, args.no_chat)
     if args.kv_cache_memory is None:  # one request: a pool its size (LLM.fit_kv_cache says why)
         llm.fit_kv_cache(len(llm.encode(prompt, chat)) + params.max_tokens)
@@ -124,7 +123,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
     add_early_exit_args(p)
     add_speculative_args(p)
     p.add_argument("--stats", action="store_true", help="print a stats line to stderr after every reply")
-    p.set_defaults(func=cmd_chat)
+    p.set_defaults(func=cmd_chat, prefill_chunk=0)  # one request at a time: its prompt prefills at once
     return p
 
 
@@ -142,7 +141,6 @@ def read_line(prompt: str) -> str | None:
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     llm = load_llm(args)
-    llm.set_scheduling(prefill_chunk=0)  # one request at a time: the conversation's prompt prefills at once
     if llm.tokenizer.chat_template is None:
         raise CLIError(f"{llm.model_dir} has no chat template, which chat needs; "
                        "use `specee generate --no-chat --prompt ...` for raw text")

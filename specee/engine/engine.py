@@ -92,8 +92,8 @@ class Engine:
             r.prefill_since = t0
         prefill = [Segment(torch.tensor(r.seq.prompt_ids[start:end], device=self.model.device), r.cache,
                            self.model.range_inputs(start, end - start, prompt=True))] if end > start else []
-        r.prefill_done = end
-        if end < self.decoding.prefill_length(r.seq) or end == len(r.seq.prompt_ids):
+        r.prefill_done, n = end, self.decoding.prefill_length(r.seq)
+        if end < n or n == len(r.seq.prompt_ids):  # more parts to come, or the last row gives the first token
             return prefill
         self._start(r, [], None, device_time(self.model.device))
         return prefill + [self.decoding.plan(r)]

@@ -145,11 +145,12 @@ struct KQuantUnits {
           uint16_t* o = out + (sb * 8 + b) * 2 * kTileElems;
           LaneScale ls[2];
           if (type == kQ4K) {  // w = d sc q - dmin m
-            const uint16_t* dd = reinterpret_cast<const uint16_t*>(t.vec(35, j));
+            __m512 d, dmin;
             __m512i sc, m;
+            gguf::q4_d_dmin(t, j, d, dmin);
             gguf::q4_scale_min(t, j, b, sc, m);
-            ls[0] = lane_scale(_mm512_mul_ps(gguf::V::half(dd), _mm512_cvtepi32_ps(sc)),
-                               _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(gguf::V::half(dd + 16), _mm512_cvtepi32_ps(m))));
+            ls[0] = lane_scale(_mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)),
+                               _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m))));
             store_quads<kQ4K>(t, j, b, ls, o, quads);
           } else {  // w = d sc_h (q - 32), sc_h per 16 inputs (int8), q's high 2 bits apart
             const __m512 d = gguf::tail_d(blk, 52, g, j);

@@ -63,3 +63,9 @@ SPECEE_KQ_INLINE void q6_scales(const Tiles& w, int j, int b, V::I& s0, V::I& s1
 SPECEE_KQ_INLINE V::F tail_d(const uint8_t* base, int vectors, int64_t g, int64_t j) {
   return V::half(reinterpret_cast<const uint16_t*>(base + vectors * 64 * g + 32 * j));
 }
+
+// Q4_K's fp16 d and dmin of tile j's 16 outputs: vector 35, d first.
+SPECEE_KQ_INLINE void q4_d_dmin(const Tiles& w, int j, V::F& d, V::F& dmin) {
+  const uint16_t* dd = reinterpret_cast<const uint16_t*>(w.vec(35, j));
+  d = V::half(dd), dmin = V::half(dd + 16);
+}

@@ -123,9 +123,9 @@ SPECEE_KQ_INLINE void q4k_tiles(const uint8_t* base, int64_t g, int64_t j0, cons
       prefetch_ahead(base, g * kQ4Bytes, b);
       q4k_block<R, J>(w, x, sb, b, fa, fb);
     }
-    for (int j = 0; j < J; ++j) {  // vector 35: d of the 16 outputs (fp16), then dmin
-      const uint16_t* dd = reinterpret_cast<const uint16_t*>(w.vec(35, j));
-      const V::F d = V::half(dd), dmin = V::half(dd + 16);
+    for (int j = 0; j < J; ++j) {
+      V::F d, dmin;
+      q4_d_dmin(w, j, d, dmin);
       for (int r = 0; r < R; ++r) {
         float* o = y + r * N + 16 * j;
         V::store(o, V::fnma(dmin, fb[r][j], V::fma(d, fa[r][j], V::loadf(o))));

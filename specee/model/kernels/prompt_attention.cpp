@@ -142,13 +142,13 @@ SPECEE_AMX_BF16 void values(const uint16_t* pa, int64_t Lq, const uint16_t* vp, 
 #undef SPECEE_VALUE_TILE
 }
 
-// Rows q0 .. q0 + m - 1 (m <= 16) of one query head (q: its [S][D] float32, row i at slot P + i) over
+// Rows q0 .. q0 + m - 1 (m <= 16) of one query head (q: its [S][D] float32, row i at slot start + i) over
 // their prefixes, with the head's packed keys and values; row i's output at out + i out_stride.
 template <int C>
-SPECEE_AMX_BF16 void attend_block(const float* q, int64_t P, int64_t q0, int64_t m, const uint32_t* kt,
+SPECEE_AMX_BF16 void attend_block(const float* q, int64_t start, int64_t q0, int64_t m, const uint32_t* kt,
                                   const uint16_t* vp, float* out, int64_t out_stride, Scratch& scratch) {
   constexpr int64_t D = 32 * C, J = D / 16;
-  const int64_t Lq = (P + q0 + m + 31) / 32 * 32;  // the keys the block reads, padded to a P tile's 32
+  const int64_t Lq = (start + q0 + m + 31) / 32 * 32;  // the keys the block reads, padded to a P tile's 32
   char* base = scratch.at_least<char>(kRows * (D * 2 + Lq * 6 + D * 4));
   uint16_t* qa = reinterpret_cast<uint16_t*>(base);
   float* sc = reinterpret_cast<float*>(base + kRows * D * 2);
@@ -169,7 +169,7 @@ SPECEE_AMX_BF16 void attend_block(const float* q, int64_t P, int64_t q0, int64_t
   for (int64_t r = 0; r < kRows; ++r) {
     const float* s = sc + r * Lq;
     uint16_t* p = pa + r * Lq;
-    const int64_t len = r < m ? P + q0 + r + 1 : 0;  // the row's prefix: slots 0 .. P + q0 + r
+    const int64_t len = r < m ? start + q0 + r + 1 : 0;  // the row's prefix: slots 0 .. start + q0 + r
     const auto live = [&](int64_t t) {
       const int64_t n = std::clamp<int64_t>(len - t, 0, 16);
       return static_cast<__mmask16>((1u << n) - 1);
@@ -201,7 +201,7 @@ SPECEE_AMX_BF16 void attend_block(const float* q, int64_t P, int64_t q0, int64_t
 // A thread's share of the units (query block, head): the longest prefixes first, one at a time to
 // whichever thread is free.
 template <int C>
-SPECEE_AMX_BF16 void run_units(std::atomic<int64_t>& next, const float* q, int64_t P, int64_t S, int64_t heads,
+SPECEE_AMX_BF16 void run_units(std::atomic<int64_t>& next, const float* q, int64_t start, int64_t S, int64_t heads,
                                int64_t group, const uint16_t* kv, int64_t L, float* out, int64_t out_stride) {
   constexpr int64_t D = 32 * C;
   const int64_t blocks = (S + kRows - 1) / kRows, units = blocks * heads;
@@ -211,31 +211,31 @@ SPECEE_AMX_BF16 void run_units(std::atomic<int64_t>& next, const float* q, int64
     if (!configured) configure(), configured = true;
     const int64_t b = blocks - 1 - u / heads, h = u % heads, g = h / group;
     const int64_t q0 = b * kRows, m = std::min(kRows, S - q0);
-    attend_block<C>(q + h * S * D, P, q0, m, reinterpret_cast<const uint32_t*>(kv + 2 * g * L * D),
+    attend_block<C>(q + h * S * D, start, q0, m, reinterpret_cast<const uint32_t*>(kv + 2 * g * L * D),
                     kv + (2 * g + 1) * L * D, out + q0 * out_stride + h * D, out_stride, work);
   }
   if (configured) _tile_release();
 }
 
 template <int C>
-void attend(const float* q, int64_t P, int64_t S, int64_t heads, int64_t kv_heads, const c10::Half* K,
+void attend(const float* q, int64_t start, int64_t S, int64_t heads, int64_t kv_heads, const c10::Half* K,
             int64_t k_stride, const c10::Half* V, int64_t v_stride, float* out, int64_t out_stride) {
   constexpr int64_t D = 32 * C;
-  const int64_t L = (P + S + 31) / 32 * 32;  // slots 0 .. P + S - 1, padded
+  const int64_t L = (start + S + 31) / 32 * 32;  // slots 0 .. start + S - 1, padded
   thread_local Scratch packed;  // the calling thread's: each kv head's keys, then its values
   uint16_t* kv = packed.at_least<uint16_t>(2 * kv_heads * L * D);
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       uint16_t* dst = kv + i * L * D;
       if (i % 2 == 0)
-        pack_keys(K + i / 2 * k_stride, P + S, L, D, reinterpret_cast<uint32_t*>(dst));
+        pack_keys(K + i / 2 * k_stride, start + S, L, D, reinterpret_cast<uint32_t*>(dst));
       else
-        pack_values(V + i / 2 * v_stride, P + S, L, D, dst);
+        pack_values(V + i / 2 * v_stride, start + S, L, D, dst);
     }
   });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    run_units<C>(next, q, P, S, heads, heads / kv_heads, kv, L, out, out_stride);
+    run_units<C>(next, q, start, S, heads, heads / kv_heads, kv, L, out, out_stride);
   });
 }
 #endif
@@ -246,17 +246,17 @@ bool prompt_attention_available(int64_t head_dim) {
   return head_dim % 32 == 0 && head_dim <= 128 && amx_enabled();
 }
 
-void prompt_attention(const float* q, int64_t P, int64_t S, int64_t D, int64_t heads, int64_t kv_heads,
+void prompt_attention(const float* q, int64_t start, int64_t S, int64_t D, int64_t heads, int64_t kv_heads,
                       const c10::Half* K, int64_t k_stride, const c10::Half* V, int64_t v_stride, float* out,
                       int64_t out_stride) {
   TORCH_CHECK(prompt_attention_available(D) && heads % kv_heads == 0,
               "prompt_attention: needs AMX tiles enabled and a head size of 32, 64, 96 or 128 (got ", D, ")");
 #ifdef SPECEE_AMX_BUILT
   switch (D / 32) {
-    case 1: return attend<1>(q, P, S, heads, kv_heads, K, k_stride, V, v_stride, out, out_stride);
-    case 2: return attend<2>(q, P, S, heads, kv_heads, K, k_stride, V, v_stride, out, out_stride);
-    case 3: return attend<3>(q, P, S, heads, kv_heads, K, k_stride, V, v_stride, out, out_stride);
-    default: return attend<4>(q, P, S, heads, kv_heads, K, k_stride, V, v_stride, out, out_stride);
+    case 1: return attend<1>(q, start, S, heads, kv_heads, K, k_stride, V, v_stride, out, out_stride);
+    case 2: return attend<2>(q, start, S, heads, kv_heads, K, k_stride, V, v_stride, out, out_stride);
+    case 3: return attend<3>(q, start, S, heads, kv_heads, K, k_stride, V, v_stride, out, out_stride);
+    default: return attend<4>(q, start, S, heads, kv_heads, K, k_stride, V, v_stride, out, out_stride);
   }
 #endif
 }

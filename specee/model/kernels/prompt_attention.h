@@ -8,10 +8,11 @@
 // (a multiple of 32, at most 128).
 bool prompt_attention_available(int64_t head_dim);
 
-// S rows of a causal prompt at slots P .. P + S - 1 (P > 0: a later part of a chunked prefill), each
-// reading the slots up to its own, every head: q [heads][S][D] float32 (RoPE applied); keys and values
-// of kv head g at K + g k_stride, V + g v_stride (rows of D float16, slot s at s D, slots 0 .. P + S - 1);
+// S rows of a causal prompt at slots start .. start + S - 1 (start > 0: a later part of a chunked
+// prefill), each reading the slots up to its own, every head: q [heads][S][D] float32 (RoPE applied);
+// keys and values of kv head g at K + g k_stride, V + g v_stride (rows of D float16, slot s at s D,
+// slots 0 .. start + S - 1);
 // out: row i, head h at out + i out_stride + h D. Grouped-query heads h share kv head h / (heads / kv_heads).
-void prompt_attention(const float* q, int64_t P, int64_t S, int64_t D, int64_t heads, int64_t kv_heads,
+void prompt_attention(const float* q, int64_t start, int64_t S, int64_t D, int64_t heads, int64_t kv_heads,
                       const c10::Half* K, int64_t k_stride, const c10::Half* V, int64_t v_stride, float* out,
                       int64_t out_stride);
