@@ -111,9 +111,18 @@ const std::vector<Run>& row_runs(const std::vector<int64_t>& rows, const std::ve
   return runs;
 }
 
+// The sum of squares in 16 running partial sums (lane j takes elements j, j + 16, ...), added in
+// order at the end: one chain of n dependent adds took ~0.8 us a SmolLM2 row (two a layer), vectors
+// of 16 ~0.1; the same order on every CPU and whatever rows share the call.
 void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps) {
+  constexpr int64_t kLanes = 16;
+  float part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) part[j] += x[i + j] * x[i + j];
+  for (int64_t j = 0; i < n; ++i, ++j) part[j] += x[i] * x[i];
   float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  for (int64_t j = 0; j < kLanes; ++j) ss += part[j];
   const float r = 1.f / std::sqrt(ss / n + static_cast<float>(eps));
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
 }

@@ -32,7 +32,11 @@ SPECEE_KQ_INLINE V::I q6_quad(const Tiles& w, int j, int b) {
 template <int C>
 SPECEE_KQ_INLINE V::I q5_quad(const Tiles& w, int j) {
   const V::I hi = V::load(w.vec(4, j));
-  const V::I h = C < 4 ? V::template shl<4 - C>(hi) : C == 4 ? hi : V::template shr<C - 4>(hi);
+  V::I h = hi;  // (if constexpr: a ternary instantiated the shifts of the other sign, warned at build)
+  if constexpr (C < 4)
+    h = V::template shl<4 - C>(hi);
+  else if constexpr (C > 4)
+    h = V::template shr<C - 4>(hi);
   return V::or_(q4_quad<C>(w, j, 0), V::and_(h, 0x10101010));
 }
 
