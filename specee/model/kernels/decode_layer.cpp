@@ -221,8 +221,11 @@ class DecodeLayer {
     // (prompt_attention.cpp); then the other segments (trees, masks, holes), one ATen call each. A
     // prefill's rows went to ATen's flash attention: MKL's float32 GEMM ran ~160 GFLOP/s here (AMD
     // EPYC Zen 5, 2 threads), 25% of SmolLM2's prefill; alone they take 31% less time.
-    std::vector<at::Tensor> qs(rows.size());
+    // every segment's rotated queries in one buffer, segment g's [NH, rows[g], D] from row firsts[g] on
     std::vector<int64_t> firsts(rows.size());
+    const at::Tensor q_all = at::empty({S * NH * D}, h.options());
+    float* const q_base = q_all.data_ptr<float>();
+    const auto q_of = [&](size_t g) { return q_base + firsts[g] * NH * D; };
     std::vector<std::pair<int64_t, int64_t>> alone;  // (segment, row within it)
     int64_t first = 0;
     for (size_t g = 0; g < rows.size(); ++g) {
@@ -234,8 +237,8 @@ class DecodeLayer {
       const bool half = kc.scalar_type() == at::kHalf;
       TORCH_CHECK(vc.scalar_type() == kc.scalar_type() && (half || kc.scalar_type() == at::kFloat),
                   "DecodeLayer: the cache holds float32 or float16");
-      qs[g] = at::empty({1, NH, n, D}, h.options());
-      float* qo = qs[g].data_ptr<float>();
+      firsts[g] = first;
+      float* qo = q_of(g);
       for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[first + i] < len, "DecodeLayer: slot past the cache");
       float* K = half ? nullptr : kc.data_ptr<float>();
       float* V = half ? nullptr : vc.data_ptr<float>();
@@ -262,7 +265,6 @@ class DecodeLayer {
           }
         }
       });
-      firsts[g] = first;
       if (attends_alone(g) && !on_tiles(g))
         for (int64_t i = 0; i < n; ++i) alone.emplace_back(g, i);
       first += n;
@@ -295,7 +297,7 @@ class DecodeLayer {
         const auto [g, i] = alone[u.row];
         const int64_t j = u.kv_head, len = u.len;
         const at::Tensor &kc = k[g], &vc = v[g];
-        const float* q = qs[g].data_ptr<float>() + i * D + j * group * rows[g] * D;
+        const float* q = q_of(g) + i * D + j * group * rows[g] * D;
         float* o = attn.data_ptr<float>() + (firsts[g] + i) * NH * D + j * group * D;
         if (kc.scalar_type() == at::kHalf)
           row_attention(q, rows[g] * D, kc.data_ptr<at::Half>() + j * kc.stride(1), kc.stride(1),
@@ -308,13 +310,14 @@ class DecodeLayer {
     for (size_t g = 0; g < rows.size(); ++g) {
       if (!on_tiles(g)) continue;
       const at::Tensor &kc = k[g], &vc = v[g];
-      prompt_attention(qs[g].data_ptr<float>(), slot[firsts[g]], rows[g], D, NH, NKV, kc.data_ptr<at::Half>(),
+      prompt_attention(q_of(g), slot[firsts[g]], rows[g], D, NH, NKV, kc.data_ptr<at::Half>(),
                        kc.stride(1), vc.data_ptr<at::Half>(), vc.stride(1), attn.data_ptr<float>() + firsts[g] * NH * D,
                        NH * D);
     }
     for (size_t g = 0; g < rows.size(); ++g) {
       if (attends_alone(g)) continue;
-      const at::Tensor out = attention(qs[g], k[g], v[g], slot + firsts[g], kv_lens[g], masks[g], causal[g], chain[g]);
+      const at::Tensor q = q_all.narrow(0, firsts[g] * NH * D, NH * rows[g] * D).view({1, NH, rows[g], D});
+      const at::Tensor out = attention(q, k[g], v[g], slot + firsts[g], kv_lens[g], masks[g], causal[g], chain[g]);
       attn.narrow(0, firsts[g], rows[g]).copy_(out.transpose(1, 2).reshape({rows[g], NH * D}));
     }
     at::Tensor out = lin_[1](attn, runs);
