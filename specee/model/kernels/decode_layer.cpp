@@ -112,8 +112,8 @@ const std::vector<Run>& row_runs(const std::vector<int64_t>& rows, const std::ve
 }
 
 // The sum of squares in 16 running partial sums (lane j takes elements j, j + 16, ...), added in
-// order at the end: one chain of n dependent adds took ~0.8 us a SmolLM2 row (two a layer), vectors
-// of 16 ~0.1; the same order on every CPU and whatever rows share the call.
+// order at the end, the same on every CPU and whatever rows share the call. One chain of dependent
+// adds: a layer's two norms at 8 SmolLM2 rows took 10.5 us, now 7.2 (Intel Xeon).
 void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps) {
   constexpr int64_t kLanes = 16;
   float part[kLanes] = {};
