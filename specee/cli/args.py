@@ -172,11 +172,11 @@ def non_negative_int(value: str) -> int:
 
 
 def prefill_chunk_arg(value: str) -> int:
-    from ..engine.scheduling import MIN_PROMPT_PART
+    from ..engine.scheduling import PREFILL_CHUNK_RULE, prefill_chunk_allowed
 
     n = _int_at_least(value, 0, "non-negative")
-    if 0 < n < MIN_PROMPT_PART:
-        raise argparse.ArgumentTypeError(f"expected 0 (whole prompts) or at least {MIN_PROMPT_PART}, got {value!r}")
+    if not prefill_chunk_allowed(n):
+        raise argparse.ArgumentTypeError(f"expected {PREFILL_CHUNK_RULE}, got {value!r}")
     return n
 
 

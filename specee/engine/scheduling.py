@@ -9,6 +9,12 @@ DEFAULT_PREFILL_CHUNK = 512
 # a prompt part's fewest rows unless the whole prompt is shorter: decode_layer.cpp's kTilePromptRows,
 # from which a prompt's rows run on AMX tiles (a shorter last part would not, and would round differently)
 MIN_PROMPT_PART = 32
+PREFILL_CHUNK_RULE = f"0 (whole prompts) or at least {MIN_PROMPT_PART}"
+
+
+def prefill_chunk_allowed(n: int) -> bool:
+    """Whether a prefill chunk obeys PREFILL_CHUNK_RULE (a shorter part would leave the AMX tiles)."""
+    return n == 0 or n >= MIN_PROMPT_PART
 
 
 def prompt_part_end(done: int, length: int, chunk: int) -> int:
@@ -25,6 +31,5 @@ def check_scheduling(max_num_seqs: object, max_num_batched_tokens: object, prefi
         flag = "--" + name.replace("_", "-")
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"{name} ({flag}) must be an integer of at least {least}, got {value!r}")
-    if 0 < prefill_chunk < MIN_PROMPT_PART:
-        raise ValueError(f"prefill_chunk (--prefill-chunk) must be 0 (whole prompts) or at least {MIN_PROMPT_PART}, "
-                         f"got {prefill_chunk}")
+    if not prefill_chunk_allowed(prefill_chunk):
+        raise ValueError(f"prefill_chunk (--prefill-chunk) must be {PREFILL_CHUNK_RULE}, got {prefill_chunk}")
