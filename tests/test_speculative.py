@@ -640,6 +640,29 @@ def test_tries_of_drafts_that_lose_widely_grow_rarer_past_max_gap(drafts_rate):
         assert len(runs) >= 10 and max(gaps) <= 32 + 2, gaps
 
 
+def test_one_lucky_try_does_not_set_off_a_cluster_of_tries():
+    """At batch 8 drafts lose (500 against 600 tokens/s) but one try's measured step is lucky (1,200,
+    a repetitive stretch): drafts play until they lose again, then plain steps come back with the gap
+    they had earned (32), not `explore` (8). With 8 SmolLM2 requests such lucky n-gram tries set off
+    tries every 8-16 steps (drafting 23 of 640 steps, 0.94-0.96x of full depth)."""
+    from specee.speculative.gate import SpeculationGate
+
+    gate = SpeculationGate(explore=8, max_gap=32, warmup=(4, 2))
+    play(gate, 1, 40, lambda on, _: (110 if on else 100, 1.0))  # batch 1 measured first: batch 8 starts plain
+    drafted = []
+
+    def step(on, _):
+        if on:
+            drafted.append(len(drafted) + 1)
+        return (1200 if drafted and drafted[-1] == 6 else 500, 1.0) if on else (600, 1.0)
+    choices = play(gate, 8, 400, step)
+    runs = tries(choices, False)
+    assert runs[2][1] > 2, runs  # the third try (drafts 5 and 6) was lucky: drafts went on playing
+    spell_end = runs[2][0] + runs[2][1]
+    assert runs[3][0] - spell_end >= 32 - 1, runs  # the gap plain steps had earned, counting the switch back
+    assert len(runs) <= 4 + (400 - spell_end) // 32, runs
+
+
 def test_a_step_where_no_request_has_room_to_draft_is_not_measured_as_drafting(tiny_llm):
     """Requests at their last token cannot draft: such a step costs what a plain one does. Counted
     as drafting's, 8 SmolLM2 requests ending together made drafts look cheap, and the next batch
