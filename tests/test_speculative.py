@@ -695,6 +695,24 @@ def test_a_step_where_no_request_has_room_to_draft_is_not_measured_as_drafting(t
     assert measured == [False] * 4  # the gate measured the 4, not the last
 
 
+def test_the_gate_sees_only_steps_with_decoding_requests(tiny_llm):
+    """A step of prefills alone (a new request's prompt, or the parts of a long one) drafts nothing and
+    is not one of the gate's steps: counted as batch 1's, it moved that batch's next try."""
+    llm = tiny_llm("llama2")
+    model, params = llm.model, SamplingParams(max_tokens=5, ignore_eos=True)
+    decoding = SpeculativeDecoding(model, NGramDrafter(3, model.cfg.vocab_size), 3)
+    seen = []
+    begin_step = decoding.gate.begin_step
+    decoding.gate.begin_step = lambda batch_size, pending=0: seen.append(batch_size) or begin_step(batch_size, pending)
+    engine = Engine(model, decoding, prefill_chunk=32)
+    ids = llm.tokenizer.encode("a b c d " * 20)
+    assert len(ids) > 64  # prefilled in parts over two steps or more
+    engine.add_request(Sequence(ids, list(ids), params, llm.tokenizer, frozenset()))
+    while engine.has_unfinished():
+        engine.step()
+    assert seen == [1] * 4, seen  # the 4 decode steps after the prefill's first token
+
+
 def test_a_drafting_step_after_plain_ones_is_not_what_drafting_costs():
     """A draft model first catches up on the tokens it skipped: that step costs 10 s here, the next
     ones 1 s for 200 tokens against plain steps' 150. The gate measures the step after the switch,

@@ -112,7 +112,8 @@ class SpeculativeDecoding(FullDepth):
         call of the drafter (a drafter that runs a model batches its forwards across the requests)."""
         decoding = [r for r in batch if r.prefilled]
         self.pending = sum(r.state.drafter.pending() for r in decoding) if self.gate is not None else 0
-        self.drafting = self.gate is None or self.gate.begin_step(len(decoding), self.pending)
+        # a step of prefills alone is not the gate's: it counted towards batch 1's next try
+        self.drafting = bool(decoding) and (self.gate is None or self.gate.begin_step(len(decoding), self.pending))
         self.draft_seconds = 0.0
         ready = [r for r in decoding if self.room(r) > 0]
         self.no_room = bool(decoding) and not ready
