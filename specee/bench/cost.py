@@ -30,17 +30,17 @@ SPEEDUPS = (1.0, 1.2, 1.5)
 
 
 @torch.inference_mode()
-def layer_ms(model, prompt_ids: list[int], steps: int = 32, rounds: int = 4) -> float:
+def layer_ms(model, prompt_ids: list[int], pairs: int = 128) -> float:
     """Milliseconds one decoder layer adds to a batch-1 decode step: decode steps through all layers
     and through half of them, alternating step by step; the median of the pairs' differences per
-    layer. (Blocks of 32 steps each, 4 rounds, on an Intel Xeon VM whose speed drifts within
-    seconds, put 30 of SmolLM2's layers at 7.2 ms in a 4.4 ms token.)"""
+    layer. (Blocks of 32 steps, 4 rounds, on an Intel Xeon VM whose speed drifts within seconds, put
+    30 of SmolLM2's layers at 7.2 ms in a 4.4 ms token.)"""
     from ..engine.full_depth import decode_step, prefill
 
     L = model.cfg.num_layers
     half = L // 2
     prompt_ids = prompt_ids[-32:]
-    pairs = max(1, min(steps * rounds, (model.cfg.max_position_embeddings - len(prompt_ids) - 1) // 2))
+    pairs = max(1, min(pairs, (model.cfg.max_position_embeddings - len(prompt_ids) - 1) // 2))
     cache = model.new_cache(1, len(prompt_ids) + 2 * pairs + 1)
     token = model.logits(prefill(model, cache, [prompt_ids])).argmax(-1)  # [1]
     positions = torch.tensor([len(prompt_ids)], device=model.device)

@@ -36,8 +36,8 @@ tokens: 0.63x of full depth's decode with drafts explored twice after losing alo
   losing for the rest of a run while newer tries only nudged a decaying sum);
 - an arm that a try made best and that loses again within the gap the other arm had earned was one
   lucky step, not a turn: the old arm comes back with its gap, not `explore` (8 SmolLM2 requests on
-  an Intel Xeon: lucky n-gram tries, 24 tokens in 34 ms against 8 in 12.5, each set off tries every
-  8-16 steps, drafting 23 steps of 640 against 4-8 with the gap kept, 0.94-0.96x of full depth);
+  an Intel Xeon: a lucky n-gram try, 24 tokens in 34 ms against plain steps' 8 in 12.5, set off tries
+  every 8-16 steps; n-gram against full depth in paired steps went from 0.940-0.959x to 0.972-0.983x);
 - a try of drafts that would first catch a draft model up waits until its expected catch-up (the
   tokens pending times the seconds per token the drafter's steps have shown, `CatchUpCost`) is within
   `explore_share` of the plain steps since the last try: the first try at 4 new Qwen requests caught
@@ -137,10 +137,12 @@ class SpeculationGate:
             self.on = not b.best
             return self.on
         best = b.spec.rate() >= b.plain.rate()
-        if best != b.best:  # a switch; back within the earned gap: the try before was lucky
-            lucky = b.since < b.earned_gap
-            b.best, b.gap, b.earned_gap = best, b.earned_gap if lucky else self.explore, 0 if lucky else b.gap
-            b.since = 0 if lucky else b.since
+        if best != b.best:  # a switch
+            if b.since < b.earned_gap:  # back within the gap the other arm had earned: that try was lucky
+                b.gap, b.earned_gap, b.since = b.earned_gap, 0, 0
+            else:
+                b.gap, b.earned_gap = self.explore, b.gap
+            b.best = best
         b.since += 1
         b.trying = b.since >= b.gap and (best or self.switch_fits(b))
         self.on = best != b.trying
