@@ -663,6 +663,23 @@ def test_one_lucky_try_does_not_set_off_a_cluster_of_tries():
     assert len(runs) <= 4 + (400 - spell_end) // 32, runs
 
 
+@pytest.mark.parametrize("spell", [3, 20])
+def test_only_a_short_spell_after_a_try_counts_as_luck(spell):
+    """Drafts that a try made best lose again after `spell` steps: within `explore` (8) that try was
+    lucky and plain steps come back with the gap they had earned (32); after a longer spell drafts had
+    turned for a while and are tried again after `explore` steps. (Taking every switch back within the
+    earned gap for luck cost Qwen's n-gram alone 1.06x -> 1.01x of full depth.)"""
+    from specee.speculative.gate import Arm, SpeculationGate
+
+    gate = SpeculationGate(explore=8, max_gap=32, warmup=(4, 2))
+    play(gate, 1, 10, lambda on, _: (100, 1.0))  # past the warm-up
+    b = gate.buckets[1]
+    b.best, b.gap, b.earned_gap, b.spell, b.since = True, 8, 32, spell - 1, 3  # drafts best since a try's switch
+    b.spec, b.plain = Arm(90.0, 1.0, 1.0, 9), Arm(100.0, 1.0, 1.0, 9)  # and now losing
+    assert gate.begin_step(1) is False  # plain steps are best again
+    assert (b.gap, b.earned_gap) == ((32, 0) if spell <= 8 else (8, 0)), (b.gap, b.earned_gap)
+
+
 def test_a_step_where_no_request_has_room_to_draft_is_not_measured_as_drafting(tiny_llm):
     """Requests at their last token cannot draft: such a step costs what a plain one does. Counted
     as drafting's, 8 SmolLM2 requests ending together made drafts look cheap, and the next batch
