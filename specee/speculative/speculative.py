@@ -114,10 +114,12 @@ class SpeculativeDecoding(FullDepth):
         self.pending = sum(r.state.drafter.pending() for r in decoding) if self.gate is not None else 0
         # a step of prefills alone is not the gate's: it counted towards batch 1's next try
         self.drafting = bool(decoding) and (self.gate is None or self.gate.begin_step(len(decoding), self.pending))
-        self.draft_seconds = 0.0
+        self.draft_seconds, self.no_room = 0.0, False
+        if not self.drafting:  # (no_room counts only for drafting steps: end_step)
+            return
         ready = [r for r in decoding if self.room(r) > 0]
-        self.no_room = bool(decoding) and not ready
-        if not self.drafting or len(decoding) < 2 or not ready:
+        self.no_room = not ready
+        if len(decoding) < 2 or not ready:
             return
         t0 = device_time(self.model.device)
         deep = [r for r in ready if self.room(r) >= self.grower.shape.depth] if self.grower is not None else []
