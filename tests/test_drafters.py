@@ -1,10 +1,12 @@
 """Drafters: the draft model's proposals equal a plain full forward; the n-gram drafter's rules."""
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from specee.drafters import DraftModelDrafter, DrafterMismatchError, NGramDrafter, check_same_tokenizer
+from specee.drafters.base import Draft
 from specee.engine.full_depth import prefill
 from specee.sampling import SamplingParams
 from specee.tokenizer import Tokenizer
@@ -283,3 +285,65 @@ def test_drafting_several_forks_at_once_equals_each_alone(target_tok, quantizati
             e.commit(emitted, min(1, len(emitted) - 1))
     for d, e in zip(together, alone):
         assert d.propose().tolist() == e.propose().tolist()
+
+
+def _latest_longest_match(hist: list[int], max_ngram: int, n: int) -> list[int]:
+    """Prompt lookup spelled out: for the longest suffix (max_ngram tokens, then fewer) with an earlier
+    occurrence, the n tokens after its latest one."""
+    for size in range(min(max_ngram, len(hist) - 1), 0, -1):
+        suffix = hist[len(hist) - size:]
+        for start in range(len(hist) - 1, size - 1, -1):  # the follower's position
+            if hist[start - size : start] == suffix:
+                return hist[start : start + n]
+    return []
+
+
+@pytest.mark.parametrize("max_ngram", [1, 2, 3, 4])
+def test_ngram_chain_is_the_latest_longest_match_through_steps_and_rollbacks(max_ngram):
+    """`chain` scans the history when it drafts (nothing is indexed per token): against the plain
+    search after every step, rollback and draft's candidate rows, with a small vocabulary so matches
+    of every length occur."""
+    rng = random.Random(max_ngram)
+    d = NGramDrafter(k=3, vocab_size=6, max_ngram=max_ngram)
+    hist = [rng.randrange(6) for _ in range(rng.randrange(0, 5))]
+    d.reset(list(hist))
+    lengths = set()
+    for step in range(400):
+        n = rng.randrange(1, 5)
+        chain = d.chain(n)
+        assert chain == _latest_longest_match(hist, max_ngram, n), (step, hist)
+        lengths.add(len(chain))
+        action = rng.random()
+        if action < 0.15 and hist:  # a rollback
+            keep = rng.randrange(len(hist) + 1)
+            d.truncate(keep)
+            del hist[keep:]
+        elif action < 0.25:  # SpecEE's candidate rows push and undo a draft
+            d.row_candidates(Draft(torch.tensor(chain or [0]), ids=chain or [0]))
+        else:
+            emitted = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            d.commit(emitted, 0)
+            hist += emitted
+        assert d.history == hist
+    assert len(lengths) >= 3  # chains of several lengths, none among them, were drafted
+
+
+def test_ngram_lazy_tables_equal_tables_built_from_scratch():
+    """The follow tables index only when `candidates` asks (and drop what a rollback cut): after
+    mixed appends, rollbacks and candidate rows, the proposal equals a fresh drafter's on the same history."""
+    rng = random.Random(7)
+    d = NGramDrafter(k=4, vocab_size=12, max_ngram=3)
+    d.reset([rng.randrange(12) for _ in range(10)])
+    for step in range(300):
+        action = rng.random()
+        if action < 0.2:
+            d.truncate(rng.randrange(len(d.history) + 1))
+        elif action < 0.3:
+            d.row_candidates(Draft(torch.tensor([rng.randrange(12)]), ids=None))
+        elif action < 0.6:
+            d.propose()
+        else:
+            d.extend([rng.randrange(12) for _ in range(rng.randrange(1, 4))])
+        fresh = NGramDrafter(k=4, vocab_size=12, max_ngram=3)
+        fresh.reset(list(d.history))
+        assert d.propose().tolist() == fresh.propose().tolist(), step
