@@ -459,11 +459,27 @@ def test_trees_of_several_forks_grow_together_as_each_alone(real_llm, ref_draft,
     ({"method": "draft_model", "model": ".", "tree": {"topk": 2, "size": 99}}, "tree size must be in"),
     ({"method": "ngram", "quantization": "int4"}, "'quantization' sets the draft model's weights"),
     ({"method": "draft_model", "model": ".", "quantization": "int3"}, "quantization must be one of"),
+    ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min must be an integer from 1 to"),
+    ({"method": "draft_model", "model": ".", "prompt_lookup_min": 2}, "'prompt_lookup_min' is for method 'ngram'"),
 ])
 def test_nonsense_configs_are_refused_in_one_line(raw, message):
     with pytest.raises(ValueError, match=message) as e:
         SpeculativeConfig.parse(raw)
     assert "\n" not in str(e.value)
+
+
+def test_ngram_chains_need_a_match_of_prompt_lookup_min_tokens(tiny_llm):
+    """By default a chain is copied from a match of 2 tokens or more (a 1-token match's drafts were
+    accepted at 0.10 a row on SmolLM2); the config's prompt_lookup_min sets it."""
+    from specee.speculative.config import make_decoder
+
+    llm = tiny_llm("llama2")
+    for raw, shortest in (({}, 2), ({"prompt_lookup_min": 1}, 1), ({"prompt_lookup_min": 3}, 3), ({"prompt_lookup_max": 1}, 1)):
+        decoding = make_decoder(llm, {"method": "ngram", **raw})
+        assert decoding.drafter.min_ngram == shortest, raw
+        drafter = decoding.drafter.fork()
+        drafter.begin([5, 6, 7, 9, 6, 7])  # the suffix [6, 7] was followed by 9; [7] alone too
+        assert drafter.chain(2) == ([9, 6] if shortest <= 2 else []), raw
 
 
 def test_a_quantized_targets_draft_model_runs_int4_unless_the_config_says(ref):
@@ -680,6 +696,34 @@ def test_only_a_short_spell_after_a_try_counts_as_luck(spell):
     assert (b.gap, b.earned_gap) == ((32, 0) if spell <= 8 else (8, 0)), (b.gap, b.earned_gap)
 
 
+def test_a_step_whose_chains_are_all_empty_is_not_measured_as_drafting(tiny_llm):
+    """A drafter with nothing to propose (an n-gram drafter without a match) drafts an empty chain:
+    the step runs full depth's row and says nothing about drafts. Counted as drafting's, such steps
+    diluted what drafts pay at one request (SmolLM2's n-gram alone, paired, BENCHMARKS session 36)."""
+    class Gappy(ScriptedDrafter):  # the continuation's tokens at even history lengths, nothing at odd ones
+        def draft(self, n, params, generator, width):
+            return super().draft(n if len(self._history) % 2 == 0 else 0, params, generator, width)
+
+    llm = tiny_llm("llama2")
+    model, params = llm.model, SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = llm.tokenizer.encode("a b c d e f g h")
+    greedy = llm.generate([ids], params)[0].token_ids
+    decoding = SpeculativeDecoding(model, Gappy(len(ids), greedy, model.cfg.vocab_size, shift=1), 1)
+    decoding.gate.begin_step = lambda batch_size, pending=0: True  # always drafting
+    measured, drafted = [], []
+    decoding.gate.end_step = lambda tokens, seconds: measured.append(tokens)
+    engine = Engine(model, decoding)
+    seq = Sequence(ids, list(ids), params, llm.tokenizer, frozenset())
+    engine.add_request(seq)
+    while engine.has_unfinished():
+        engine.step()
+        drafted.append(decoding.drafted_any)
+    assert seq.output_ids == greedy
+    decode_steps = drafted[1:]
+    assert 0 < sum(decode_steps) < len(decode_steps), decode_steps  # steps with and without a chain
+    assert len(measured) == sum(decode_steps)  # the gate measured only the steps that drafted
+
+
 def test_a_step_where_no_request_has_room_to_draft_is_not_measured_as_drafting(tiny_llm):
     """Requests at their last token cannot draft: such a step costs what a plain one does. Counted
     as drafting's, 8 SmolLM2 requests ending together made drafts look cheap, and the next batch
@@ -691,25 +735,18 @@ def test_a_step_where_no_request_has_room_to_draft_is_not_measured_as_drafting(t
     # every draft rejected, so each step emits one token and the last one has no room left
     decoding = SpeculativeDecoding(model, ScriptedDrafter(len(ids), greedy, model.cfg.vocab_size, shift=1), 3)
     decoding.gate.begin_step = lambda batch_size, pending=0: True  # always drafting
-    measured, without_room = [], []
-    begin_step = decoding.begin_step
-
-    def end_step(tokens, seconds):
-        measured.append(decoding.no_room)
-
-    def begin(batch):
-        begin_step(batch)
-        without_room.append(decoding.no_room)
-    decoding.gate.end_step, decoding.begin_step = end_step, begin
+    measured, drafted = [], []
+    decoding.gate.end_step = lambda tokens, seconds: measured.append(tokens)
     engine = Engine(model, decoding)
     seqs = [Sequence(ids, list(ids), params, llm.tokenizer, frozenset()) for _ in range(2)]  # drafted together
     for seq in seqs:
         engine.add_request(seq)
     while engine.has_unfinished():
         engine.step()
+        drafted.append(decoding.drafted_any)
     assert all(seq.output_ids == greedy for seq in seqs)
-    assert without_room == [False] * 5 + [True]  # the prefill, 4 decode steps that drafted, the last token's
-    assert measured == [False] * 4  # the gate measured the 4, not the last
+    assert drafted == [False] + [True] * 4 + [False]  # the prefill, 4 decode steps that drafted, the last token's
+    assert measured == [2] * 4  # the gate measured the 4, not the last
 
 
 def test_the_gate_sees_only_steps_with_decoding_requests(tiny_llm):

@@ -33,12 +33,15 @@ _MISSING = object()  # a journal's "this key did not exist"
 
 
 class NGramDrafter(Drafter):
-    def __init__(self, k: int, vocab_size: int, device: str | torch.device = "cpu", max_ngram: int = 3):
+    def __init__(self, k: int, vocab_size: int, device: str | torch.device = "cpu", max_ngram: int = 3,
+                 min_ngram: int = 1):
+        """min_ngram: the shortest suffix match a chain copies from (vLLM's prompt_lookup_min); the
+        top-k candidates use every length."""
         if k < 1 or k > vocab_size:
             raise ValueError(f"k must be in [1, vocab_size={vocab_size}], got {k}")
-        if max_ngram < 1:
-            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
-        self.k, self.vocab_size, self.max_ngram = k, vocab_size, max_ngram
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self.k, self.vocab_size, self.max_ngram, self.min_ngram = k, vocab_size, max_ngram, min_ngram
         self.device = torch.device(device)
         self.name = f"ngram-n{max_ngram}"
         self.fingerprint = f"ngram-n{max_ngram}"
@@ -122,9 +125,10 @@ class NGramDrafter(Drafter):
     # ---- speculative decoding: prompt lookup -------------------------------------------------
     def chain(self, n: int) -> list[int]:
         """Up to n tokens copied from after the most recent earlier occurrence of the history's
-        longest matching suffix (max_ngram tokens, then shorter); [] when nothing matches."""
+        longest matching suffix (max_ngram tokens, then shorter); [] when no suffix of min_ngram
+        tokens or more matches."""
         hist, m = self._history, len(self._history)
-        if m < 2:
+        if m <= self.min_ngram:
             return []
         if self._ids.shape[0] < m:
             self._ids = np.resize(self._ids, 2 * m)
@@ -134,14 +138,16 @@ class NGramDrafter(Drafter):
         ends = np.flatnonzero(ids[: m - 1] == hist[-1])  # earlier occurrences of the last token
         if not ends.size:
             return []
-        best, match = ends, ends  # the latest occurrence of the longest suffix found so far
-        for size in range(2, min(self.max_ngram, m) + 1):
-            match = match[match >= size - 1]
-            match = match[ids[match - (size - 1)] == hist[m - size]]
+        best, match, size = ends, ends, 1  # the occurrences of the longest suffix found so far, and its size
+        for longer in range(2, min(self.max_ngram, m) + 1):
+            match = match[match >= longer - 1]
+            match = match[ids[match - (longer - 1)] == hist[m - longer]]
             if not match.size:
                 break
-            best = match
-        start = int(best[-1]) + 1
+            best, size = match, longer
+        if size < self.min_ngram:
+            return []
+        start = int(best[-1]) + 1  # after the latest
         return hist[start : start + n]
 
     def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
@@ -177,7 +183,7 @@ class NGramDrafter(Drafter):
     def teacher_forced_top_k(self, ids: list[int], start: int) -> torch.Tensor:
         if not 0 <= start <= len(ids):
             raise ValueError(f"start must be in [0, {len(ids)}], got {start}")
-        sim = NGramDrafter(self.k, self.vocab_size, "cpu", self.max_ngram)
+        sim = NGramDrafter(self.k, self.vocab_size, "cpu", self.max_ngram, self.min_ngram)
         sim.reset(ids[:start])
         rows = []
         for p in range(start, len(ids)):

@@ -1,12 +1,15 @@
 """`speculative_config` as vLLM users write it, checked, and the decoder it builds.
 
     {"method": "eagle" | "draft_model" | "ngram", "model": PATH, "num_speculative_tokens": N,
-     "tree": {"topk": K, "size": S}, "prompt_lookup_max": M, "quantization": Q}
+     "tree": {"topk": K, "size": S}, "prompt_lookup_max": M, "prompt_lookup_min": m, "quantization": Q}
 
 model: the EAGLE head directory (`specee train-draft`) or the draft model (a checkpoint
 directory, a .gguf file or a hub id, as the target); tree: grow
 EAGLE-2 trees of depth N, K children per expanded node, S nodes verified (eagle, draft_model);
-prompt_lookup_max: the longest suffix n-gram matched (ngram); quantization: the draft model's
+prompt_lookup_max / prompt_lookup_min: the longest suffix n-gram matched, and the shortest a chain is
+drafted from (ngram; by default 2: a 1-token match's drafts were accepted at 0.10 a row on SmolLM2,
+below what a verified row costs, and drafting from 2 or more ran 1.09x the gate's 1 or more at one
+request, paired, BENCHMARKS session 36); quantization: the draft model's
 weights (draft_model; "int4", "int8", "auto" or null). By default a quantized target's draft runs
 int4 whatever its file holds: a draft only proposes, so its rounding moves acceptance, never the
 output, and a GGUF's Q5_0/Q8_0 tensors (Qwen2.5-0.5B's rows of 896 take no K-quants) would
@@ -21,7 +24,8 @@ from typing import Any
 from .tree import TreeShape
 
 METHODS = ("eagle", "draft_model", "ngram")
-KEYS = ("method", "model", "num_speculative_tokens", "tree", "prompt_lookup_max", "quantization")
+KEYS = ("method", "model", "num_speculative_tokens", "tree", "prompt_lookup_max", "prompt_lookup_min", "quantization")
+DEFAULT_PROMPT_LOOKUP_MIN = 2
 DRAFT_QUANTIZATIONS = ("int4", "int8", "auto", None)
 DEFAULT = "default"  # the draft's quantization when the config names none: see draft_quantization
 MAX_SPECULATIVE_TOKENS = 64  # as the CLI's --k: a verification pass of more rows has never paid
@@ -34,6 +38,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     tree: TreeShape | None = None
     prompt_lookup_max: int = 3
+    prompt_lookup_min: int | None = None  # None: DEFAULT_PROMPT_LOOKUP_MIN for speculative decoding
     quantization: str | None = DEFAULT
 
     def draft_quantization(self, target_quantization: str | None) -> str | None:
@@ -75,6 +80,13 @@ class SpeculativeConfig:
         lookup = raw.get("prompt_lookup_max", 3)
         if not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 1:
             raise ValueError(f"speculative_config: prompt_lookup_max must be an integer >= 1, got {lookup!r}")
+        lookup_min = raw.get("prompt_lookup_min")
+        if lookup_min is not None:
+            if method != "ngram":
+                raise ValueError(f"speculative_config: 'prompt_lookup_min' is for method 'ngram', not {method!r}")
+            if not isinstance(lookup_min, int) or isinstance(lookup_min, bool) or not 1 <= lookup_min <= lookup:
+                raise ValueError(f"speculative_config: prompt_lookup_min must be an integer from 1 to prompt_lookup_max "
+                                 f"({lookup}), got {lookup_min!r}")
         tree = raw.get("tree")
         if tree is not None:
             if method == "ngram":
@@ -98,7 +110,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: quantization must be one of int4, int8, auto or null, "
                                  f"got {quantization!r}")
         return cls(method, model if model is None or not Path(model).expanduser().exists()
-                   else str(Path(model).expanduser()), n, tree, lookup, quantization)
+                   else str(Path(model).expanduser()), n, tree, lookup, lookup_min, quantization)
 
     def check_serves_exits(self, exit_draft: str | None) -> None:
         """Refuse, in one line, a config whose chains SpecEE's exits cannot verify: the passes are
@@ -109,8 +121,10 @@ class SpeculativeConfig:
                    "'draft_model' with exits")
         elif self.tree is not None:
             why = "exits verify chains; drop 'tree'"
-        elif self.method == "ngram" and (exit_draft != "ngram" or self.prompt_lookup_max != 3):
-            why = "method 'ngram' needs the early-exit drafter 'ngram' (and prompt_lookup_max 3, the bank's n-gram)"
+        elif self.method == "ngram" and (exit_draft != "ngram" or self.prompt_lookup_max != 3
+                                         or self.prompt_lookup_min not in (None, 1)):
+            why = ("method 'ngram' needs the early-exit drafter 'ngram' (and prompt_lookup_max 3, prompt_lookup_min 1: "
+                   "the bank's n-gram)")
         elif self.method == "draft_model" and (exit_draft is None or Path(exit_draft).expanduser().resolve()
                                                != Path(str(self.model)).expanduser().resolve()):
             why = f"method 'draft_model' drafts with the early-exit drafter; its model must be {exit_draft!r}"
@@ -125,6 +139,8 @@ class SpeculativeConfig:
             d["tree"] = {"topk": self.tree.topk, "size": self.tree.size}
         if self.method == "ngram":
             d["prompt_lookup_max"] = self.prompt_lookup_max
+            if self.prompt_lookup_min is not None:
+                d["prompt_lookup_min"] = self.prompt_lookup_min
         if self.quantization != DEFAULT:
             d["quantization"] = self.quantization
         return d
@@ -139,7 +155,8 @@ def make_decoder(llm, config: SpeculativeConfig | dict[str, Any]):
     config = SpeculativeConfig.parse(config)
     model = llm.model
     if config.method == "ngram":
-        drafter = NGramDrafter(1, model.cfg.vocab_size, model.device, max_ngram=config.prompt_lookup_max)
+        drafter = NGramDrafter(1, model.cfg.vocab_size, model.device, max_ngram=config.prompt_lookup_max,
+                               min_ngram=min(config.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MIN, config.prompt_lookup_max))
     elif config.method == "draft_model":
         drafter = DraftModelDrafter(config.model, llm.tokenizer, 1, model.device, model.dtype,
                                     target_dir=llm.model_dir, vocab_size=model.cfg.vocab_size,

@@ -105,7 +105,7 @@ class SpeculativeDecoding(FullDepth):
         self.gate = SpeculationGate() if gated else None
         self.drafting = True  # this step's requests draft (the gate's choice)
         self.pending, self.draft_seconds = 0, 0.0  # this step's tokens the drafters ran first, and drafting's time
-        self.no_room = False  # no request of this step could draft (each at its last token)
+        self.drafted_any = False  # some request of this step has a draft token (a tree or a non-empty chain)
 
     def begin_step(self, batch: list[Running]) -> None:
         """The gate's choice for this batch size; then every decoding request's tree, or chain, in one
@@ -114,11 +114,10 @@ class SpeculativeDecoding(FullDepth):
         self.pending = sum(r.state.drafter.pending() for r in decoding) if self.gate is not None else 0
         # a step of prefills alone is not the gate's: it counted towards batch 1's next try
         self.drafting = bool(decoding) and (self.gate is None or self.gate.begin_step(len(decoding), self.pending))
-        self.draft_seconds, self.no_room = 0.0, False
-        if not self.drafting:  # (no_room counts only for drafting steps: end_step)
+        self.draft_seconds, self.drafted_any = 0.0, False
+        if not self.drafting:
             return
         ready = [r for r in decoding if self.room(r) > 0]
-        self.no_room = not ready
         if len(decoding) < 2 or not ready:
             return
         t0 = device_time(self.model.device)
@@ -145,10 +144,12 @@ class SpeculativeDecoding(FullDepth):
         return r.seq.params.max_tokens - len(r.seq.output_ids) - 1
 
     def end_step(self, tokens: int, seconds: float) -> None:
-        # a step whose requests all had no room left to draft (their last token) costs what a plain
-        # step does: counted as drafting's, 8 requests ending together made drafts look cheap, and
-        # the next batch drafted at a loss for 12 steps before the measurement decayed
-        if self.gate is not None and not (self.drafting and self.no_room):
+        # a drafting step in which no request drafted a token (no n-gram match, or each at its last
+        # token) is a plain step and says nothing about drafts: counted as drafting's, 8 requests
+        # ending together made drafts look cheap (the next batch drafted at a loss for 12 steps),
+        # and steps without a match diluted what drafts pay at one request; a try lasts until a
+        # step that drafted is measured
+        if self.gate is not None and not (self.drafting and not self.drafted_any):
             if self.drafting:
                 self.gate.drafted(self.pending, self.draft_seconds)
             self.gate.end_step(tokens, seconds)
@@ -187,6 +188,7 @@ class SpeculativeDecoding(FullDepth):
             self.draft_seconds += seconds
         if st.plain:  # full depth's own row (FullDepth.plan's, with the tensor made above)
             return Segment(last, r.cache, model.range_inputs(n, 1))
+        self.drafted_any = self.drafted_any or st.tree is not None or st.draft.tokens.shape[0] > 0
         if st.tree is not None:
             return Segment(st.tree.tokens, r.cache, tree_inputs(model, st.tree, n))
         return Segment(torch.cat([last, st.draft.tokens]), r.cache, model.range_inputs(n, st.draft.tokens.shape[0] + 1))
