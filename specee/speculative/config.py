@@ -8,8 +8,8 @@ directory, a .gguf file or a hub id, as the target); tree: grow
 EAGLE-2 trees of depth N, K children per expanded node, S nodes verified (eagle, draft_model);
 prompt_lookup_max / prompt_lookup_min: the longest suffix n-gram matched, and the shortest a chain is
 drafted from (ngram; by default 2: a 1-token match's drafts were accepted at 0.10 a row on SmolLM2,
-below what a verified row costs, and drafting from 2 or more ran 1.09x the gate's 1 or more at one
-request, paired, BENCHMARKS session 36); quantization: the draft model's
+below what a verified row costs; alone on an Intel Xeon, paired, SmolLM2 ran 1.14x full depth from
+2 tokens against 1.01x from 1, BENCHMARKS session 36); quantization: the draft model's
 weights (draft_model; "int4", "int8", "auto" or null). By default a quantized target's draft runs
 int4 whatever its file holds: a draft only proposes, so its rounding moves acceptance, never the
 output, and a GGUF's Q5_0/Q8_0 tensors (Qwen2.5-0.5B's rows of 896 take no K-quants) would
