@@ -696,6 +696,23 @@ def test_only_a_short_spell_after_a_try_counts_as_luck(spell):
     assert (b.gap, b.earned_gap) == ((32, 0) if spell <= 8 else (8, 0)), (b.gap, b.earned_gap)
 
 
+def steps_the_gate_measures(llm, drafter, num_tokens: int, prompts: list[list[int]], params: SamplingParams):
+    """Decode `prompts` together with drafting forced on every step; returns the outputs, whether each
+    step drafted a token (`drafted_any`) and the tokens of each step the gate measured."""
+    decoding = SpeculativeDecoding(llm.model, drafter, num_tokens)
+    decoding.gate.begin_step = lambda batch_size, pending=0: True  # always drafting
+    measured, drafted = [], []
+    decoding.gate.end_step = lambda tokens, seconds: measured.append(tokens)
+    engine = Engine(llm.model, decoding)
+    seqs = [Sequence(ids, list(ids), params, llm.tokenizer, frozenset()) for ids in prompts]
+    for seq in seqs:
+        engine.add_request(seq)
+    while engine.has_unfinished():
+        engine.step()
+        drafted.append(decoding.drafted_any)
+    return [seq.output_ids for seq in seqs], drafted, measured
+
+
 def test_a_step_whose_chains_are_all_empty_is_not_measured_as_drafting(tiny_llm):
     """A drafter with nothing to propose (an n-gram drafter without a match) drafts an empty chain:
     the step runs full depth's row and says nothing about drafts. Counted as drafting's, such steps
@@ -705,20 +722,12 @@ def test_a_step_whose_chains_are_all_empty_is_not_measured_as_drafting(tiny_llm)
             return super().draft(n if len(self._history) % 2 == 0 else 0, params, generator, width)
 
     llm = tiny_llm("llama2")
-    model, params = llm.model, SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
     ids = llm.tokenizer.encode("a b c d e f g h")
     greedy = llm.generate([ids], params)[0].token_ids
-    decoding = SpeculativeDecoding(model, Gappy(len(ids), greedy, model.cfg.vocab_size, shift=1), 1)
-    decoding.gate.begin_step = lambda batch_size, pending=0: True  # always drafting
-    measured, drafted = [], []
-    decoding.gate.end_step = lambda tokens, seconds: measured.append(tokens)
-    engine = Engine(model, decoding)
-    seq = Sequence(ids, list(ids), params, llm.tokenizer, frozenset())
-    engine.add_request(seq)
-    while engine.has_unfinished():
-        engine.step()
-        drafted.append(decoding.drafted_any)
-    assert seq.output_ids == greedy
+    drafter = Gappy(len(ids), greedy, llm.model.cfg.vocab_size, shift=1)
+    outputs, drafted, measured = steps_the_gate_measures(llm, drafter, 1, [ids], params)
+    assert outputs == [greedy]
     decode_steps = drafted[1:]
     assert 0 < sum(decode_steps) < len(decode_steps), decode_steps  # steps with and without a chain
     assert len(measured) == sum(decode_steps)  # the gate measured only the steps that drafted
@@ -729,22 +738,13 @@ def test_a_step_where_no_request_has_room_to_draft_is_not_measured_as_drafting(t
     as drafting's, 8 SmolLM2 requests ending together made drafts look cheap, and the next batch
     drafted at a loss for 12 steps before the measurement decayed."""
     llm = tiny_llm("llama2")
-    model, params = llm.model, SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
     ids = llm.tokenizer.encode("a b a b a b a b")
     greedy = llm.generate([ids], params)[0].token_ids
     # every draft rejected, so each step emits one token and the last one has no room left
-    decoding = SpeculativeDecoding(model, ScriptedDrafter(len(ids), greedy, model.cfg.vocab_size, shift=1), 3)
-    decoding.gate.begin_step = lambda batch_size, pending=0: True  # always drafting
-    measured, drafted = [], []
-    decoding.gate.end_step = lambda tokens, seconds: measured.append(tokens)
-    engine = Engine(model, decoding)
-    seqs = [Sequence(ids, list(ids), params, llm.tokenizer, frozenset()) for _ in range(2)]  # drafted together
-    for seq in seqs:
-        engine.add_request(seq)
-    while engine.has_unfinished():
-        engine.step()
-        drafted.append(decoding.drafted_any)
-    assert all(seq.output_ids == greedy for seq in seqs)
+    drafter = ScriptedDrafter(len(ids), greedy, llm.model.cfg.vocab_size, shift=1)
+    outputs, drafted, measured = steps_the_gate_measures(llm, drafter, 3, [ids, ids], params)  # drafted together
+    assert outputs == [greedy, greedy]
     assert drafted == [False] + [True] * 4 + [False]  # the prefill, 4 decode steps that drafted, the last token's
     assert measured == [2] * 4  # the gate measured the 4, not the last
 
