@@ -149,7 +149,7 @@ class SpeculativeDecoding(FullDepth):
         # ending together made drafts look cheap (the next batch drafted at a loss for 12 steps),
         # and steps without a match diluted what drafts pay at one request; a try lasts until a
         # step that drafted is measured
-        if self.gate is not None and not (self.drafting and not self.drafted_any):
+        if self.gate is not None and (self.drafted_any or not self.drafting):
             if self.drafting:
                 self.gate.drafted(self.pending, self.draft_seconds)
             self.gate.end_step(tokens, seconds)
@@ -186,9 +186,11 @@ class SpeculativeDecoding(FullDepth):
             seconds = device_time(model.device) - t0
             st.stats.draft_seconds += seconds
             self.draft_seconds += seconds
+        if st.draft is not None and not st.draft.tokens.shape[0]:
+            st.draft = None  # an empty chain (no n-gram match): no draft, full depth's row and choice
         if st.plain:  # full depth's own row (FullDepth.plan's, with the tensor made above)
             return Segment(last, r.cache, model.range_inputs(n, 1))
-        self.drafted_any = self.drafted_any or st.tree is not None or st.draft.tokens.shape[0] > 0
+        self.drafted_any = True
         if st.tree is not None:
             return Segment(st.tree.tokens, r.cache, tree_inputs(model, st.tree, n))
         return Segment(torch.cat([last, st.draft.tokens]), r.cache, model.range_inputs(n, st.draft.tokens.shape[0] + 1))
