@@ -361,6 +361,40 @@ def test_the_layer_stack_runs_a_step_in_one_call_with_each_layers_numbers(tmp_pa
     assert model.fast_stack is None
 
 
+@torch.inference_mode()
+def test_steady_steps_through_the_stack_allocate_only_their_output(tmp_path):
+    """The C++ layers keep their intermediate rows between calls (kernels/scratch.h): a decode step
+    through the whole stack allocates one tensor, its output, as a one-layer range does (the profiler
+    sees every CPU tensor allocation: ~8 a layer before), and a step of another shape in between
+    (a chain's 4 rows, a prefill's 12) leaves the next step's numbers unchanged."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specee.engine.runner import Segment, ragged_inputs
+
+    model = load(make_checkpoint(tmp_path / "m", variant("qwen2"), seed=3), "int4")
+    L = model.cfg.num_layers
+    assert L >= 2
+
+    def batch_of(n: int, at: int):
+        cache, steps = model.new_cache(1, 32), [model.range_inputs(at, n)]
+        return ragged_inputs([Segment(torch.zeros(n, dtype=torch.long), cache, steps[0])], steps, [n])
+
+    decode, chain, prompt = batch_of(1, 12), batch_of(4, 12), batch_of(12, 0)
+    h1, h4, h12 = (torch.randn(1, n, model.cfg.hidden_size) for n in (1, 4, 12))
+
+    def allocations(first: int, last: int) -> int:
+        model.ragged_layers(first, last, h1, decode)  # the shape's first call sizes the workspace
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model.ragged_layers(first, last, h1, decode)
+        return sum(e.name == "[memory]" for e in prof.events())
+
+    assert 1 <= allocations(0, L) == allocations(0, 1) <= 2  # the output (and its release, if seen)
+    alone = model.ragged_layers(0, L, h1, decode)
+    model.ragged_layers(0, L, h4, chain)
+    model.ragged_layers(0, L, h12, prompt)
+    assert torch.equal(model.ragged_layers(0, L, h1, decode), alone)
+
+
 def test_the_heads_rescoring_the_final_norm_and_q8_0_rows_match_their_references():
     """The quantized head's helpers in C++: Q8_0 rows as gguf dequantizes them (bit for bit), the
     exact rescoring of candidates (float64 dot products to float32 rounding, nothing else written)

@@ -31,6 +31,8 @@
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.
   `kquant_repack.cpp`: the file's blocks rewritten into that layout at load.
   `q8_0_rows`: Q8_0 rows dequantized as gguf does (an embedding lookup, a head's rescored rows).
+- `scratch.h`: a thread's buffers kept between calls, so steady decode steps allocate nothing for
+  the products' quantized activations or the layers' intermediate rows.
 
 Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 40 s), once per
 content of these sources (build.py: checkouts with identical sources share one build). Without a

@@ -32,7 +32,7 @@ std::atomic<bool> g_enabled{true};
 
 #ifdef SPECEE_AMX_BUILT
 using namespace specee_int4;
-using specee_amx::Scratch;
+using specee_scratch::Scratch;
 
 constexpr int64_t kUnit = 32;             // outputs a thread's unit computes: two 16-output tiles
 constexpr int64_t kTileElems = 16 * 32;   // one B tile: 16 rows of input pairs x 16 outputs x 2 bf16

@@ -1,6 +1,6 @@
 // What the AMX kernels share (amx_prompt.cpp: a prompt's products; prompt_attention.cpp: its
 // attention): whether they are built, the instruction sets they are compiled for, the tile
-// configuration and a thread's aligned scratch.
+// configuration.
 #pragma once
 #include <torch/extension.h>
 
@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "int4_common.h"
+#include "scratch.h"
 
 #if defined(SPECEE_X86) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define SPECEE_AMX_BUILT 1
@@ -28,24 +29,6 @@ SPECEE_AMX_BF16 inline void load_config(const TileConfig& c) {
   __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 
-// A thread's buffer: 64-byte aligned (tile rows are cache lines), grown as needed, kept between calls
-// (fresh pages cost a prompt ~5%).
-struct Scratch {
-  void* p = nullptr;
-  int64_t bytes = 0;
-  ~Scratch() { std::free(p); }
-  template <class T>
-  T* at_least(int64_t elems) {
-    const int64_t want = (elems * static_cast<int64_t>(sizeof(T)) + 63) / 64 * 64;
-    if (want > bytes) {
-      std::free(p);
-      p = std::aligned_alloc(64, want);
-      TORCH_CHECK(p, "AMX kernels: no memory for ", want, " bytes of scratch");
-      bytes = want;
-    }
-    return static_cast<T*>(p);
-  }
-};
 
 }  // namespace specee_amx
 #endif

@@ -74,9 +74,9 @@ struct Linear {
     return y;
   }
 
-  // x: rows from .. from + S - 1 of the step, each run's rows the way the run says
-  at::Tensor operator()(const at::Tensor& x, const std::vector<Run>& runs, int64_t from = 0) const {
-    if (runs.size() == 1) return (*this)(x, runs[0].tiles && tiled());  // a decode step: no plan to make
+  // x: rows from .. from + S - 1 of the step, each run's rows the way the run says, into `out` [S, N]
+  at::Tensor operator()(const at::Tensor& x, const std::vector<Run>& runs, int64_t from, const at::Tensor& out) const {
+    if (runs.size() == 1) return (*this)(x, runs[0].tiles && tiled(), out);  // a decode step: no plan to make
     const int64_t S = x.size(0);
     std::vector<Run> parts;
     for (const Run& r : runs) {
@@ -88,10 +88,9 @@ struct Linear {
       else
         parts.push_back({a - from, b - a, tiles});
     }
-    if (parts.size() == 1) return (*this)(x, parts[0].tiles);
-    at::Tensor y = at::empty({S, outputs()}, x.options());
-    for (const Run& p : parts) (*this)(x.narrow(0, p.first, p.count), p.tiles, y.narrow(0, p.first, p.count));
-    return y;
+    if (parts.size() == 1) return (*this)(x, parts[0].tiles, out);
+    for (const Run& p : parts) (*this)(x.narrow(0, p.first, p.count), p.tiles, out.narrow(0, p.first, p.count));
+    return out;
   }
 };
 
@@ -109,6 +108,38 @@ const std::vector<Run>& row_runs(const std::vector<int64_t>& rows, const std::ve
       runs.push_back({first, rows[g], t});
   }
   return runs;
+}
+
+// A layer's intermediate rows [S, cols] float32, reused by the calling thread (the engine thread) from
+// one layer call to the next: in a steady run of steps the same tensor comes back and nothing is
+// allocated (scratch.h says why).
+class Buffer {
+ public:
+  const at::Tensor& rows(int64_t S, int64_t cols) {
+    if (S != S_ || cols != cols_) {
+      if (storage_.numel() < S * cols) storage_ = at::empty({S * cols}, at::kFloat);
+      view_ = storage_.narrow(0, 0, S * cols).view({S, cols});
+      S_ = S, cols_ = cols;
+    }
+    return view_;
+  }
+
+ private:
+  at::Tensor storage_, view_;
+  int64_t S_ = -1, cols_ = -1;
+};
+
+// What a layer call's rows pass through: the normed input, q/k/v, rotated queries, attention, the
+// MLP's gate/up, activation and down; `hidden`: the two a stack's layers hand each other.
+struct Workspace {
+  Buffer normed, qkv, queries, attn, gate_up, act, down, hidden[2];
+  std::vector<int64_t> firsts;
+  std::vector<std::pair<int64_t, int64_t>> alone;
+};
+
+Workspace& workspace() {
+  thread_local Workspace ws;
+  return ws;
 }
 
 // The sum of squares in 16 running partial sums (lane j takes elements j, j + 16, ...), added in
@@ -180,7 +211,8 @@ class DecodeLayer {
   at::Tensor forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                      at::Tensor v_cache, const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                      bool causal, bool chain) const {
-    return forward_ragged(h, cos, sin, slots, {k_cache}, {v_cache}, {h.size(1)}, {kv_len}, {mask}, {causal}, {chain});
+    return forward_ragged(h, cos, sin, slots, {k_cache}, {v_cache}, {h.size(1)}, {kv_len}, {mask}, {causal}, {chain},
+                          at::empty(h.sizes(), h.options()));
   }
 
   // The rows of several sequences in one call (a ragged batch): segment g is the next rows[g] rows
@@ -188,25 +220,30 @@ class DecodeLayer {
   // and slots) under its own attention description. The products run once over each run of rows
   // (row_runs: a long prompt's on AMX tiles, the rest on the int8 kernels; in both a row's result does
   // not depend on the others); attention runs per segment, exactly the call that segment would make
-  // alone, so batching leaves every row's numbers unchanged.
-  at::Tensor forward_ragged(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                            const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
-                            const std::vector<int64_t>& rows, const std::vector<int64_t>& kv_lens,
-                            const std::vector<at::Tensor>& masks, const std::vector<bool>& causal,
-                            const std::vector<bool>& chain) const {
-    const int64_t S = h.size(1), H = h.size(2), D = head_dim_, NH = heads_, NKV = kv_heads_;
+  // alone, so batching leaves every row's numbers unchanged. h: [1, S, H] or [S, H]; the output goes to
+  // `into` (the same shape; not h), which is returned.
+  const at::Tensor& forward_ragged(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& slots, const std::vector<at::Tensor>& k,
+                                   const std::vector<at::Tensor>& v, const std::vector<int64_t>& rows,
+                                   const std::vector<int64_t>& kv_lens, const std::vector<at::Tensor>& masks,
+                                   const std::vector<bool>& causal, const std::vector<bool>& chain,
+                                   const at::Tensor& into) const {
+    const int64_t S = h.size(-2), H = h.size(-1), D = head_dim_, NH = heads_, NKV = kv_heads_;
     const at::Tensor hc = h.contiguous(), c = cos.contiguous(), sn = sin.contiguous(), sl = slots.contiguous();
-    TORCH_CHECK(c.numel() == S * D && sl.numel() == S && k.size() == rows.size() && v.size() == rows.size(),
+    TORCH_CHECK(c.numel() == S * D && sl.numel() == S && k.size() == rows.size() && v.size() == rows.size() &&
+                    hc.scalar_type() == at::kFloat && into.is_contiguous() && into.numel() == S * H &&
+                    into.scalar_type() == at::kFloat && !into.is_same(h),
                 "DecodeLayer: inputs");
+    Workspace& ws = workspace();
     const int64_t* slot = sl.data_ptr<int64_t>();
     const float* cs = c.data_ptr<float>();
     const float* sg = sn.data_ptr<float>();
-    at::Tensor x = at::empty({S, H}, h.options());
+    const at::Tensor& x = ws.normed.rows(S, H);
     rms_norm_rows(hc.data_ptr<float>(), attn_norm_.data_ptr<float>(), x.data_ptr<float>(), S, H, eps_);
     const std::vector<Run>& runs = row_runs(rows, causal);
-    const at::Tensor qkv = lin_[0](x, runs);  // [S, (NH + 2 NKV) D]
     const int64_t W = (NH + 2 * NKV) * D;
-    at::Tensor attn = at::empty({S, NH * D}, h.options());
+    const at::Tensor& qkv = lin_[0](x, runs, 0, ws.qkv.rows(S, W));
+    const at::Tensor& attn = ws.attn.rows(S, NH * D);
     const bool rows_alone = row_attention_available(D);
     const auto attends_alone = [&](size_t g) {
       return rows_alone && (causal[g] || chain[g] || (rows[g] == 1 && !masks[g].numel()));
@@ -222,11 +259,13 @@ class DecodeLayer {
     // prefill's rows went to ATen's flash attention: MKL's float32 GEMM ran ~160 GFLOP/s here (AMD
     // EPYC Zen 5, 2 threads), 25% of SmolLM2's prefill; alone they take 31% less time.
     // every segment's rotated queries in one buffer, segment g's [NH, rows[g], D] from row firsts[g] on
-    std::vector<int64_t> firsts(rows.size());
-    const at::Tensor q_all = at::empty({S * NH * D}, h.options());
+    std::vector<int64_t>& firsts = ws.firsts;
+    firsts.resize(rows.size());
+    const at::Tensor& q_all = ws.queries.rows(S, NH * D);
     float* const q_base = q_all.data_ptr<float>();
     const auto q_of = [&](size_t g) { return q_base + firsts[g] * NH * D; };
-    std::vector<std::pair<int64_t, int64_t>> alone;  // (segment, row within it)
+    std::vector<std::pair<int64_t, int64_t>>& alone = ws.alone;  // (segment, row within it)
+    alone.clear();
     int64_t first = 0;
     for (size_t g = 0; g < rows.size(); ++g) {
       const int64_t n = rows[g];
@@ -316,11 +355,12 @@ class DecodeLayer {
     }
     for (size_t g = 0; g < rows.size(); ++g) {
       if (attends_alone(g)) continue;
-      const at::Tensor q = q_all.narrow(0, firsts[g] * NH * D, NH * rows[g] * D).view({1, NH, rows[g], D});
+      const at::Tensor q = q_all.view(-1).narrow(0, firsts[g] * NH * D, NH * rows[g] * D).view({1, NH, rows[g], D});
       const at::Tensor out = attention(q, k[g], v[g], slot + firsts[g], kv_lens[g], masks[g], causal[g], chain[g]);
       attn.narrow(0, firsts[g], rows[g]).copy_(out.transpose(1, 2).reshape({rows[g], NH * D}));
     }
-    at::Tensor out = lin_[1](attn, runs);
+    const at::Tensor out = into.dim() == 2 ? into : into.view({S, H});
+    lin_[1](attn, runs, 0, out);
     add_into(out.data_ptr<float>(), hc.data_ptr<float>(), S * H);
     rms_norm_rows(out.data_ptr<float>(), mlp_norm_.data_ptr<float>(), x.data_ptr<float>(), S, H, eps_);
     // the MLP a chunk of rows at a time: a long prompt's gate/up output past glibc's mmap threshold (32 MB;
@@ -328,19 +368,19 @@ class DecodeLayer {
     const int64_t chunk = std::max<int64_t>(1, kMlpBytes / (lin_[2].outputs() * 4));
     for (int64_t c0 = 0; c0 < S; c0 += chunk) {
       const int64_t n = std::min(chunk, S - c0);
-      const at::Tensor gu = lin_[2](x.narrow(0, c0, n), runs, c0);  // [n, 2 I]
+      const at::Tensor& gu = lin_[2](x.narrow(0, c0, n), runs, c0, ws.gate_up.rows(n, lin_[2].outputs()));  // [n, 2 I]
       const int64_t I = gu.size(1) / 2;
-      at::Tensor act = at::empty({n, I}, h.options());
+      const at::Tensor& act = ws.act.rows(n, I);
       at::parallel_for(0, n, std::max<int64_t>(1, kGrain / I), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const float* g = gu.data_ptr<float>() + r * 2 * I;
           silu_mul(g, g + I, act.data_ptr<float>() + r * I, I);
         }
       });
-      const at::Tensor down = lin_[3](act, runs, c0);
+      const at::Tensor& down = lin_[3](act, runs, c0, ws.down.rows(n, H));
       add_into(out.data_ptr<float>() + c0 * H, down.data_ptr<float>(), n * H);
     }
-    return out.view({1, S, H});
+    return into;
   }
 
  private:
@@ -393,8 +433,13 @@ class DecodeStack {
     const int64_t L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(0 <= first && first <= last && last <= L && static_cast<int64_t>(k.size()) == L &&
                     static_cast<int64_t>(v.size()) == L, "DecodeStack: a layer range and every layer's caches");
-    for (int64_t i = first; i < last; ++i)
-      h = layers_[i].forward_ragged(h, cos, sin, slots, k[i], v[i], rows, kv_lens, masks, causal, chain);
+    // the layers hand their rows to each other through the workspace; the last writes a new tensor
+    Workspace& ws = workspace();
+    const int64_t S = h.size(1), H = h.size(2);
+    for (int64_t i = first; i < last; ++i) {  // (the workspace's rows are [S, H])
+      const at::Tensor into = i == last - 1 ? at::empty({1, S, H}, at::kFloat) : ws.hidden[(i - first) % 2].rows(S, H);
+      h = layers_[i].forward_ragged(h, cos, sin, slots, k[i], v[i], rows, kv_lens, masks, causal, chain, into);
+    }
     return h;
   }
 
@@ -409,7 +454,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("__call__", &DecodeLayer::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("ragged", &DecodeLayer::forward_ragged, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("ragged",
+           [](const DecodeLayer& layer, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+              const at::Tensor& slots, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+              const std::vector<int64_t>& rows, const std::vector<int64_t>& kv_lens,
+              const std::vector<at::Tensor>& masks, const std::vector<bool>& causal, const std::vector<bool>& chain) {
+             return layer.forward_ragged(h, cos, sin, slots, k, v, rows, kv_lens, masks, causal, chain,
+                                         at::empty(h.sizes(), h.options()));
+           },
+           pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<DecodeLayer>>())
       .def("ragged", &DecodeStack::forward_ragged, pybind11::call_guard<pybind11::gil_scoped_release>());

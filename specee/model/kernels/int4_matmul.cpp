@@ -20,11 +20,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <vector>
 
 #include "int4_common.h"
+#include "scratch.h"
 
 namespace {
+
+using specee_scratch::Scratch;
 
 using namespace specee_int4;
 std::atomic<int64_t> g_level{-1};  // -1: the best this CPU runs, read on first use
@@ -237,24 +239,27 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const int64_t level = int4_bf16_level();
   // the activations rounded to bf16 (as `x.to(torch.bfloat16)` rounds) and their sums per group, in
   // plain loops: in a decode step this runs for every product, where ATen calls cost more than the work
-  std::vector<c10::BFloat16> xb(M * K);
-  std::vector<float> sums(M * G, 0.f), xf(level == kAvx512 ? 0 : M * K);
+  thread_local Scratch xb_buf, sums_buf, xf_buf;  // the calling thread's, kept between calls
+  c10::BFloat16* xb = xb_buf.at_least<c10::BFloat16>(M * K);
+  float* sums = sums_buf.at_least<float>(M * G);
+  float* xf = level == kAvx512 ? nullptr : xf_buf.at_least<float>(M * K);
   if (xc.scalar_type() == at::kFloat)
-    std::copy(xc.data_ptr<float>(), xc.data_ptr<float>() + M * K, xb.begin());  // float -> bf16, nearest even
+    std::copy(xc.data_ptr<float>(), xc.data_ptr<float>() + M * K, xb);  // float -> bf16, nearest even
   else
-    std::copy(xc.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>() + M * K, xb.begin());
+    std::copy(xc.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>() + M * K, xb);
+  std::fill(sums, sums + M * G, 0.f);
   for (int64_t i = 0; i < M * K; ++i) sums[i / kGroup] += static_cast<float>(xb[i]);
-  std::copy(xb.begin(), xb.begin() + xf.size(), xf.begin());
+  if (xf) std::copy(xb, xb + M * K, xf);
   at::Tensor y = product_output(out_rows, M, N, level != kAvx512);  // avx2, portable add into it
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data());
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb);
   float* out = y.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t r = 0; r < M; r += kMaxRows)
         kRows[std::min<int64_t>(kMaxRows, M - r)](level, w + b * (K / 4) * 128, sz + b * G * 128, xp + r * (K / 2),
-                                                  xf.empty() ? nullptr : xf.data() + r * K, sums.data() + r * G, K,
+                                                  xf ? xf + r * K : nullptr, sums + r * G, K,
                                                   out + r * N + b * 64, N);
   });
   return y;

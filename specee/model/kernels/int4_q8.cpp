@@ -15,13 +15,15 @@
 
 #include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "int4_common.h"
 #include "int4_matmul.h"
+#include "scratch.h"
 
 namespace specee_int4 {
 namespace {
+
+using specee_scratch::Scratch;
 
 // Quantized activations of some rows: q [R][K] int8 (read 4 at a time as int32), and per row and
 // group d and d times the group's sum of q.
@@ -305,9 +307,11 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
                       const at::Tensor& out_rows) {
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // bf16 widens exactly
   const int64_t M = xf.size(0), K = xf.size(1), blocks = packed.size(0), N = blocks * 64, G = K / kGroup;
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * G), ds(M * G);
-  quantize_activations(xf.data_ptr<float>(), M, K, level, q.data(), d.data(), ds.data(), nullptr);
+  thread_local Scratch q_buf, d_buf, ds_buf;  // the calling thread's, kept between calls
+  int8_t* q = q_buf.at_least<int8_t>(M * K);
+  float* d = d_buf.at_least<float>(M * G);
+  float* ds = ds_buf.at_least<float>(M * G);
+  quantize_activations(xf.data_ptr<float>(), M, K, level, q, d, ds, nullptr);
   at::Tensor y = product_output(out_rows, M, N, false);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
@@ -319,7 +323,7 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / chunks, r = u % chunks * kMaxRows, R = std::min<int64_t>(kMaxRows, M - r);
-      const Q8 rows{q.data() + r * K, d.data() + r * G, ds.data() + r * G};
+      const Q8 rows{q + r * K, d + r * G, ds + r * G};
       kRows[R](level, w + b * (K / 4) * 128, sz + b * G * 128, rows, K, out + r * N + b * 64, N);
     }
   });

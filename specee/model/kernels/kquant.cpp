@@ -34,8 +34,11 @@
 
 #include "int4_common.h"
 #include "int4_matmul.h"
+#include "scratch.h"
 
 namespace {
+
+using specee_scratch::Scratch;
 
 using specee_int4::kGroup;
 // Q5_0 / Q8_0: blocks ahead prefetched (4 tiles' blocks: 1.4 / 2.2 KB each). Qwen2.5-0.5B's gate/up
@@ -199,11 +202,13 @@ at::Tensor kquant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(xf.dim() == 2 && K % 32 == 0 && tiles.dim() == 2 && tiles.size(1) == 4,
               "kquant_mm: activations [M, K] with K a multiple of 32, tiles [T, 4] (each checked once: kquant_check)");
   const int64_t* tile = tiles.data_ptr<int64_t>();
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * K / kGroup), ds(M * K / kGroup);
-  std::vector<int32_t> s16(M * K / 16);
-  specee_int4::quantize_activations(xf.data_ptr<float>(), M, K, int4_level(), q.data(), d.data(), ds.data(), s16.data());
-  const Act act{q.data(), d.data(), ds.data(), s16.data(), K};
+  thread_local Scratch q_buf, d_buf, ds_buf, s16_buf;  // the calling thread's, kept between calls
+  int8_t* q = q_buf.at_least<int8_t>(M * K);
+  float* d = d_buf.at_least<float>(M * K / kGroup);
+  float* ds = ds_buf.at_least<float>(M * K / kGroup);
+  int32_t* s16 = s16_buf.at_least<int32_t>(M * K / 16);
+  specee_int4::quantize_activations(xf.data_ptr<float>(), M, K, int4_level(), q, d, ds, s16);
+  const Act act{q, d, ds, s16, K};
   at::Tensor y = product_output(out_rows, M, N, true);  // each (super-)block adds into it
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();

@@ -28,7 +28,7 @@
 namespace {
 
 #ifdef SPECEE_AMX_BUILT
-using specee_amx::Scratch;
+using specee_scratch::Scratch;
 
 constexpr int64_t kRows = 16;      // query rows a unit computes: a tile's rows
 
