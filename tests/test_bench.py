@@ -452,6 +452,38 @@ def test_cli_speed(tmp_path, llm, banks, capsys):
     check_figures(out, ["exit_histogram.png", "throughput.png"])
 
 
+@torch.inference_mode()
+def test_layer_ms_times_the_engines_layer_call_of_decode_steps(tmp_path, monkeypatch):
+    """A layer's cost is a decode step's layers in the one call the engine makes (the stack), median
+    over steps, over the layer count; steps through all layers against half, one call a layer, put
+    SmolLM2's 30 layers above its whole token (an Intel Xeon: 5.05 of 4.49 ms)."""
+    from checkpoints import VARIANTS, make_checkpoint
+
+    import specee.bench.cost as cost
+    from specee.model.llama import Transformer
+
+    model = Transformer.load(make_checkpoint(tmp_path / "m", VARIANTS["llama3"], seed=1), "cpu", torch.float32)
+    L, calls = model.cfg.num_layers, []
+    durations = [3.0, 1.0, 7.0, 2.0, 5.0]  # seconds each step's layer call takes on the scripted clock
+    clock = {"now": 0.0}
+
+    def fake_time(device):
+        return clock["now"]
+
+    layers = model.ragged_layers
+
+    def timed_layers(first, last, h, batch):
+        calls.append((first, last, h.shape[1], batch.rows))
+        clock["now"] += durations[len(calls) - 1]
+        return layers(first, last, h, batch)
+
+    monkeypatch.setattr(cost, "device_time", fake_time)
+    monkeypatch.setattr(model, "ragged_layers", timed_layers)
+    got = cost.layer_ms(model, list(range(3, 40)), steps=len(durations))
+    assert calls == [(0, L, 1, [1])] * len(durations)  # every layer in one call, one decode row
+    assert got == pytest.approx(3.0 / L * 1e3)  # the median step's layers over L, in ms
+
+
 def test_cost_breakdown_known_numbers():
     """Full depth 10 ms/token over 10 layers of 0.5 ms (other 5 ms); early exit 8 ms/token at 4 layers
     with a 2 ms drafter: the ceilings and the depths needed follow from those by hand."""

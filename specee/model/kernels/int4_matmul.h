@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cstring>
+
 int64_t int4_best_level();  // 0 portable, 1 avx2 (+FMA), 2 avx512 (F, BW, VNNI): what this CPU runs
 int64_t int4_level();       // the level int4_mm runs (the best unless set lower)
 int64_t int4_bf16_level();  // the level of the bf16-activation kernel: int4_level, or avx2 where avx512 lacks BF16
@@ -23,6 +25,6 @@ inline at::Tensor product_output(const at::Tensor& out, int64_t M, int64_t N, bo
   if (!out.defined()) return zeroed ? at::zeros({M, N}, at::kFloat) : at::empty({M, N}, at::kFloat);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
                   out.is_contiguous(), "a product's out: float32 [M, N], contiguous");
-  if (zeroed) out.zero_();
+  if (zeroed) std::memset(out.data_ptr<float>(), 0, M * N * sizeof(float));  // (no ATen dispatch per product)
   return out;
 }
