@@ -190,6 +190,40 @@ def test_the_choice_is_measured_again_between_requests_once_due(monkeypatch):
 
 
 @needs_stories
+def test_a_machine_that_turns_busy_mid_request_is_measured_again_between_steps(monkeypatch):
+    """A server hands requests straight to the engine thread, and a generate may run for minutes: the
+    engine thread measures again between its steps once due, so a request whose machine turns busy
+    half-way finishes on the count fastest then. A scripted step here: 2 threads faster until the
+    request has 4 tokens, 1 thread after. Before, the count chosen when a request came stayed for good
+    (2 threads beside a busy process decoded at 0.27x of idle)."""
+    torch.set_num_threads(2)
+    llm = LLM(STORIES)
+    seqs, seen = [], []
+
+    def scripted_step():
+        busy = bool(seqs) and len(seqs[0].output_ids) >= 4
+        time.sleep(0.002 if (torch.get_num_threads() == 1) == busy else 0.006)
+
+    refresh = llm.threads.refresh
+
+    def logged_refresh():
+        choice = refresh()
+        seen.append((threading.current_thread().name, choice.threads))
+        return choice
+
+    llm.threads.step = scripted_step
+    monkeypatch.setattr(llm.threads, "refresh", logged_refresh)
+    monkeypatch.setattr(ThreadPolicy, "RECHECK_SECONDS", 0.0)
+    (seq,) = llm._sequences("Once", SamplingParams(max_tokens=8, ignore_eos=True), False)
+    seqs.append(seq)
+    assert llm.worker.submit(seq).done.wait(60) and seq.finish_reason == "length"
+    assert {name for name, _ in seen} == {"specee-engine"}, seen  # measured where the steps run
+    counts = [n for _, n in seen]
+    assert counts[0] == 2 and counts[-1] == 1 and counts == sorted(counts, reverse=True), counts
+    assert seq.stats.threads == 1 and set(seq.stats.thread_probe_ms) == {1, 2}
+
+
+@needs_stories
 def test_generate_threads_flag_runs_and_the_stats_line_says_so(capsys):
     code = cli.main(["generate", "--model", str(STORIES), "--prompt", "Once", "--no-chat", "--max-new-tokens", "4",
                      "--threads", "1"])

@@ -337,7 +337,7 @@ class LLM:
         seqs = [Sequence(p, self.encode(p, chat), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
         for s in seqs:  # the synchronous API refuses, before any work, a request that cannot run
             self.engine.check(s)
-        threads = self.threads.refresh()
+        threads = self.threads.choice  # (the engine thread measures again between steps once due)
         for s in seqs:
             s.stats.threads, s.stats.thread_probe_ms = threads.threads, dict(threads.step_ms) or None
         return seqs
@@ -384,14 +384,14 @@ class LLM:
     @property
     def worker(self) -> EngineThread:
         """The engine thread that owns `self.engine.step()` (started on first use); it decodes with
-        the caller's torch thread count."""
+        this LLM's thread count (`self.threads`)."""
         with _WORKER_LOCK:
             if getattr(self, "_worker", None) is None:
                 self._worker = EngineThread(self.engine)
                 # the thread holds the engine, never the LLM: an LLM nobody holds stops its thread and
                 # frees the weights and the KV pool (a leaked pool also made every later fork fail)
                 self._stop_worker = weakref.finalize(self, self._worker.stop)
-        self._worker.num_threads = torch.get_num_threads()
+        self._worker.threads = self.threads
         return self._worker
 
     def close(self) -> None:

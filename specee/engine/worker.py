@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .sequence import RequestOutput, Sequence
-from .threads import release_openmp_pool
+from .threads import ThreadPolicy, release_openmp_pool
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,10 @@ class EngineThread:
         self._waiting: deque[RequestHandle] = deque()  # submitted, not yet given to the engine
         self._running: dict[str, RequestHandle] = {}  # given to the engine, not yet ended
         self._stopping = False
-        # torch's thread count is per OS thread once set: the caller's setting is copied here before a step
-        self.num_threads: int | None = None
+        # what this thread decodes with (torch's count is per OS thread): the LLM's ThreadPolicy, asked
+        # before each step, where an automatic one measures again once due (a machine that turns busy
+        # while a server runs, or during a long generate); None: torch's default
+        self.threads: ThreadPolicy | None = None
         self._applied_threads: int | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -195,9 +197,13 @@ class EngineThread:
                 handle._emit()
 
     def _step(self) -> None:
-        if self.num_threads and self.num_threads != self._applied_threads:
-            torch.set_num_threads(self.num_threads)  # this thread's own setting (torch's is per thread)
-            self._applied_threads = self.num_threads
+        if self.threads is not None:
+            choice = self.threads.refresh()
+            if choice.threads != self._applied_threads:
+                torch.set_num_threads(choice.threads)
+                self._applied_threads = choice.threads
+                for h in self._running.values():  # their stats line says what they decode with now
+                    h.seq.stats.threads, h.seq.stats.thread_probe_ms = choice.threads, dict(choice.step_ms) or None
         if not self._guard(self.engine.step, list(self._running.values()), "step"):
             return
         if not self.engine.has_unfinished():  # nothing left inside: whatever is unfinished was dropped
