@@ -190,19 +190,20 @@ def test_the_choice_is_measured_again_between_requests_once_due(monkeypatch):
 
 
 @needs_stories
-def test_a_machine_that_turns_busy_mid_request_is_measured_again_between_steps(monkeypatch):
+@pytest.mark.parametrize("due", ["every step", "when a watched step slows"])
+def test_a_machine_that_turns_busy_mid_request_is_measured_again_between_steps(monkeypatch, due):
     """A server hands requests straight to the engine thread, and a generate may run for minutes: the
-    engine thread measures again between its steps once due, so a request whose machine turns busy
-    half-way finishes on the count fastest then. A scripted step here: 2 threads faster until the
-    request has 4 tokens, 1 thread after. Before, the count chosen when a request came stayed for good
-    (2 threads beside a busy process decoded at 0.27x of idle)."""
+    engine thread measures again between its steps once due, or as soon as a watched step has slowed,
+    so a request whose machine turns busy half-way finishes on the count fastest then. A scripted step
+    here: 2 threads faster until the request has 4 tokens, 1 thread after. Before, the count chosen
+    when a request came stayed for good (2 threads beside a busy process decoded at 0.17-0.27x of idle)."""
     torch.set_num_threads(2)
     llm = LLM(STORIES)
     seqs, seen = [], []
 
     def scripted_step():
         busy = bool(seqs) and len(seqs[0].output_ids) >= 4
-        time.sleep(0.002 if (torch.get_num_threads() == 1) == busy else 0.006)
+        time.sleep(0.005 if (torch.get_num_threads() == 1) == busy else 0.05)
 
     refresh = llm.threads.refresh
 
@@ -213,7 +214,12 @@ def test_a_machine_that_turns_busy_mid_request_is_measured_again_between_steps(m
 
     llm.threads.step = scripted_step
     monkeypatch.setattr(llm.threads, "refresh", logged_refresh)
-    monkeypatch.setattr(ThreadPolicy, "RECHECK_SECONDS", 0.0)
+    if due == "every step":
+        monkeypatch.setattr(ThreadPolicy, "RECHECK_SECONDS", 0.0)
+    else:  # a watched step 10x its count's measurement: measured again (not on the 1-thread steps after)
+        monkeypatch.setattr(ThreadPolicy, "RECHECK_SECONDS", 1e9)
+        monkeypatch.setattr(ThreadPolicy, "SOON_SECONDS", 0.0)
+        monkeypatch.setattr(ThreadPolicy, "WATCH_SECONDS", 0.0)
     (seq,) = llm._sequences("Once", SamplingParams(max_tokens=8, ignore_eos=True), False)
     seqs.append(seq)
     assert llm.worker.submit(seq).done.wait(60) and seq.finish_reason == "length"
@@ -221,6 +227,8 @@ def test_a_machine_that_turns_busy_mid_request_is_measured_again_between_steps(m
     counts = [n for _, n in seen]
     assert counts[0] == 2 and counts[-1] == 1 and counts == sorted(counts, reverse=True), counts
     assert seq.stats.threads == 1 and set(seq.stats.thread_probe_ms) == {1, 2}
+    if due != "every step":
+        assert llm.threads.checked < llm.threads.watched  # the 1-thread steps did not set off another
 
 
 @needs_stories

@@ -174,12 +174,19 @@ def release_openmp_pool() -> None:
 
 class ThreadPolicy:
     """The thread count a model decodes with: `threads` if given; on the CPU the fastest measured
-    at load and again between the engine thread's steps once RECHECK_SECONDS have passed (a machine
-    turns busy while a server runs or during a long generate, and 2 threads beside a busy process
-    decoded at 0.27x; a check costs ~0.2 s of decode steps there, 0.7% of its time); elsewhere
-    torch's setting (the host only launches work)."""
+    at load and again between the engine thread's steps once RECHECK_SECONDS have passed, or at once
+    when a watched step has slowed (a machine turns busy while a server runs or during a long
+    generate, and 2 threads beside a busy process decoded at 0.17-0.27x of idle; a check costs ~0.2 s
+    of decode steps there, 0.7% of its time); elsewhere torch's setting (the host only launches work)."""
 
     RECHECK_SECONDS = 30.0
+    # Once a second one decode step is timed; over SLOWED times the last measurement of the count in
+    # force, the machine has changed and the counts are measured again then, SOON_SECONDS after the last
+    # check at the earliest (a load that comes and goes costs at most a probe per 5 s). On 2 threads, a
+    # process that starts spinning made SmolLM2's steps 5-7x slower; a watched step costs ~0.4%.
+    WATCH_SECONDS = 1.0
+    SOON_SECONDS = 5.0
+    SLOWED = 2.0
 
     def __init__(self, model, threads: int | None):
         self.most = ceiling()  # the ceiling of the counts tried, kept across checks
@@ -189,7 +196,7 @@ class ThreadPolicy:
         if threads is not None:
             set_threads(threads)
         self.choice = ThreadChoice(threads or self.most)
-        self.checked = -float("inf")
+        self.checked = self.watched = -float("inf")
         self.refresh()
         # after the thread count: measured at the count that decodes; {} where nothing was timed
         self.prefetch, self.prefetch_ms = choose_prefetch(self.step) if int4 else (None, {})
@@ -199,8 +206,20 @@ class ThreadPolicy:
         self.auto = False
 
     def refresh(self) -> ThreadChoice:
-        """Re-measure when automatic and due; the choice in force."""
-        if self.auto and time.monotonic() - self.checked >= self.RECHECK_SECONDS:
-            self.choice = choose_threads(self.step, candidates(self.most))
-            self.checked = time.monotonic()
+        """Re-measure when automatic and due, or when a watched step has slowed; the choice in force."""
+        if self.auto:
+            now = time.monotonic()
+            since = now - self.checked
+            if since >= self.RECHECK_SECONDS or (since >= self.SOON_SECONDS and now - self.watched >= self.WATCH_SECONDS
+                                                 and self.slowed()):
+                self.choice = choose_threads(self.step, candidates(self.most))
+                self.checked = self.watched = time.monotonic()
         return self.choice
+
+    def slowed(self) -> bool:
+        """Whether one decode step now takes over SLOWED times the last measurement of this count."""
+        self.watched = time.monotonic()
+        before = self.choice.step_ms.get(self.choice.threads)
+        start = time.perf_counter()
+        self.step()
+        return before is not None and (time.perf_counter() - start) * 1e3 > self.SLOWED * before
