@@ -220,6 +220,7 @@ def test_a_machine_that_turns_busy_mid_request_is_measured_again_between_steps(m
         monkeypatch.setattr(ThreadPolicy, "RECHECK_SECONDS", 1e9)
         monkeypatch.setattr(ThreadPolicy, "SOON_SECONDS", 0.0)
         monkeypatch.setattr(ThreadPolicy, "WATCH_SECONDS", 0.0)
+        monkeypatch.setattr(ThreadPolicy, "WATCH_SHARE", float("inf"))
     (seq,) = llm._sequences("Once", SamplingParams(max_tokens=8, ignore_eos=True), False)
     seqs.append(seq)
     assert llm.worker.submit(seq).done.wait(60) and seq.finish_reason == "length"

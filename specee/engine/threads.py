@@ -180,11 +180,13 @@ class ThreadPolicy:
     of decode steps there, 0.7% of its time); elsewhere torch's setting (the host only launches work)."""
 
     RECHECK_SECONDS = 30.0
-    # Once a second one decode step is timed; over SLOWED times the last measurement of the count in
-    # force, the machine has changed and the counts are measured again then, SOON_SECONDS after the last
-    # check at the earliest (a load that comes and goes costs at most a probe per 5 s). On 2 threads, a
-    # process that starts spinning made SmolLM2's steps 5-7x slower; a watched step costs ~0.4%.
+    # Once a second (or less often, so that watching costs WATCH_SHARE of the time: a Qwen2.5-1.5B step
+    # is 45 ms) one decode step is timed; over SLOWED times the last measurement of the count in force,
+    # the machine has changed and the counts are measured again then, SOON_SECONDS after the last check
+    # at the earliest (a load that comes and goes costs at most a probe per 5 s). On 2 threads, a
+    # process that starts spinning made SmolLM2's steps 5-7x slower.
     WATCH_SECONDS = 1.0
+    WATCH_SHARE = 0.005
     SOON_SECONDS = 5.0
     SLOWED = 2.0
 
@@ -197,6 +199,7 @@ class ThreadPolicy:
             set_threads(threads)
         self.choice = ThreadChoice(threads or self.most)
         self.checked = self.watched = -float("inf")
+        self.watched_step = 0.0  # seconds the last watched step took
         self.refresh()
         # after the thread count: measured at the count that decodes; {} where nothing was timed
         self.prefetch, self.prefetch_ms = choose_prefetch(self.step) if int4 else (None, {})
@@ -210,7 +213,8 @@ class ThreadPolicy:
         if self.auto:
             now = time.monotonic()
             since = now - self.checked
-            if since >= self.RECHECK_SECONDS or (since >= self.SOON_SECONDS and now - self.watched >= self.WATCH_SECONDS
+            watch_gap = max(self.WATCH_SECONDS, self.watched_step / self.WATCH_SHARE)
+            if since >= self.RECHECK_SECONDS or (since >= self.SOON_SECONDS and now - self.watched >= watch_gap
                                                  and self.slowed()):
                 self.choice = choose_threads(self.step, candidates(self.most))
                 self.checked = self.watched = time.monotonic()
@@ -222,4 +226,5 @@ class ThreadPolicy:
         before = self.choice.step_ms.get(self.choice.threads)
         start = time.perf_counter()
         self.step()
-        return before is not None and (time.perf_counter() - start) * 1e3 > self.SLOWED * before
+        self.watched_step = time.perf_counter() - start
+        return before is not None and self.watched_step * 1e3 > self.SLOWED * before
