@@ -112,11 +112,13 @@ const std::vector<Run>& row_runs(const std::vector<int64_t>& rows, const std::ve
 
 // A layer's intermediate rows [S, cols] float32, reused by the calling thread (the engine thread) from
 // one layer call to the next: in a steady run of steps the same tensor comes back and nothing is
-// allocated (scratch.h says why).
+// allocated (scratch.h says why). Made outside inference mode, whatever the call that first needs it,
+// so that a later call outside it may still write into it (an inference tensor refuses in-place ATen ops).
 class Buffer {
  public:
   const at::Tensor& rows(int64_t S, int64_t cols) {
     if (S != S_ || cols != cols_) {
+      c10::InferenceMode normal_tensors(false);
       if (storage_.numel() < S * cols) storage_ = at::empty({S * cols}, at::kFloat);
       view_ = storage_.narrow(0, 0, S * cols).view({S, cols});
       S_ = S, cols_ = cols;
