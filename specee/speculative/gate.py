@@ -12,12 +12,13 @@ Trying drafts again is what costs (Qwen2.5-Coder-1.5B with its 0.5B draft model,
 tokens: 0.63x of full depth's decode with drafts explored twice after losing alone), so:
 - a draft model first catches up on every token it skipped: the first drafting step after plain
   ones is not measured (it says what switching costs, not what drafting does), nor is one whose
-  drafters run more than 2 tokens a request first (a new request's prompt: on an Intel Xeon the Qwen
+  drafters run more than a token a request first (a new request's prompt: on an Intel Xeon the Qwen
   pair's first drafting step of a request took 150-190 ms, later ones 100-105, plain ones 45, and
-  charging it to drafting lost 2 of 5 requests' drafts), and a try lasts until one step is. Steady
-  drafting runs up to 2 tokens a request first (after a fully accepted chain a draft model runs its
-  last draft, proposed but not run, and the target's next token): counting those as a catch-up left
-  4 Qwen requests drafting for 20 steps, never measured, at 0.66x of plain steps' rate. An
+  charging it to drafting lost 2 of 5 requests' drafts), and a try lasts until one step is, or until
+  its TRY_STEPS-th drafting step, measured whatever it caught up. (After a fully accepted chain a
+  draft model runs 2 tokens a request first: at 4 Qwen requests every step of a try counted as a
+  catch-up, and the try ran on for 20 steps at 0.66x of plain steps' rate. Measuring all such
+  steady steps instead cost one request 5-10%: its drafting spells broke up.) An
   n-gram drafter has nothing to catch up on, but measuring its first step too (a one-step try) lost
   on two AMD EPYCs: n-gram / full depth at 8 SmolLM2 requests 0.86-0.96x against 0.92-1.14x with
   two-step tries (cheaper tries come more often, and one lucky step flips the arm);
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STEADY_PENDING = 2  # tokens a request's draft model may run before drafting without catching up (see above)
+TRY_STEPS = 3  # the drafting step of a try that is measured even if its drafters caught up first
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Bucket:
     spell: int = 0  # steps since the last switch
     tried_tokens: int = 0  # what the current try of drafts emitted, and in how long (measured or not)
     tried_seconds: float = 0.0
+    tried_steps: int = 0  # drafting steps of the current try
 
 
 class SpeculationGate:
@@ -129,7 +131,7 @@ class SpeculationGate:
     def begin_step(self, batch_size: int, pending: int = 0) -> bool:
         """Whether this step's requests draft; pending: the tokens their drafters would run before
         drafting (`Drafter.pending`)."""
-        self.catch_up_tokens = max(pending - STEADY_PENDING * batch_size, 0)
+        self.catch_up_tokens = max(pending - batch_size, 0)
         key = max(batch_size, 1).bit_length()
         if key not in self.buckets or self.warmup_cut_short(key):
             below = self.measured_below(key)
@@ -185,7 +187,8 @@ class SpeculationGate:
         self.drafted_last = self.on
         if b.trying and self.on:
             b.tried_tokens, b.tried_seconds = b.tried_tokens + tokens, b.tried_seconds + seconds
-        if catching_up:  # what switching or a new request costs, not what drafting does
+            b.tried_steps += 1
+        if catching_up and b.tried_steps < TRY_STEPS:  # what switching or a new request costs, not what drafting does
             return
         (b.spec if self.on else b.plain).add(tokens, seconds, 0.0 if b.trying else self.decay)
         if b.trying:
@@ -203,4 +206,4 @@ class SpeculationGate:
             excess = b.tried_seconds - b.tried_tokens / b.plain.rate()
             gap = max(gap, round(excess / plain_step / self.explore_share))
         b.gap = min(gap, self.longest_gap)
-        b.tried_tokens, b.tried_seconds = 0, 0.0
+        b.tried_tokens, b.tried_seconds, b.tried_steps = 0, 0.0, 0
