@@ -110,13 +110,20 @@ const std::vector<Run>& row_runs(const std::vector<int64_t>& rows, const std::ve
   return runs;
 }
 
+// Calls of at most this many rows (decode steps, verification passes of 8 requests x 4 rows) keep
+// their intermediate rows; a prompt's get new ones, as before: 9 kept buffers of 128 SmolLM2 rows are
+// ~4.6 MB, past a core's 2 MB L2, and that prefill ran 0.6-0.9x (glibc hands a freed block straight
+// back to the next allocation, so fresh tensors stay in cache).
+constexpr int64_t kKeptRows = 32;
+
 // A layer's intermediate rows [S, cols] float32, reused by the calling thread (the engine thread) from
 // one layer call to the next: in a steady run of steps the same tensor comes back and nothing is
 // allocated (scratch.h says why). Made outside inference mode, whatever the call that first needs it,
 // so that a later call outside it may still write into it (an inference tensor refuses in-place ATen ops).
 class Buffer {
  public:
-  const at::Tensor& rows(int64_t S, int64_t cols) {
+  at::Tensor rows(int64_t S, int64_t cols) {
+    if (S > kKeptRows) return at::empty({S, cols}, at::kFloat);
     if (S != S_ || cols != cols_) {
       c10::InferenceMode normal_tensors(false);
       if (storage_.numel() < S * cols) storage_ = at::empty({S * cols}, at::kFloat);
@@ -240,12 +247,12 @@ class DecodeLayer {
     const int64_t* slot = sl.data_ptr<int64_t>();
     const float* cs = c.data_ptr<float>();
     const float* sg = sn.data_ptr<float>();
-    const at::Tensor& x = ws.normed.rows(S, H);
+    const at::Tensor x = ws.normed.rows(S, H);
     rms_norm_rows(hc.data_ptr<float>(), attn_norm_.data_ptr<float>(), x.data_ptr<float>(), S, H, eps_);
     const std::vector<Run>& runs = row_runs(rows, causal);
     const int64_t W = (NH + 2 * NKV) * D;
-    const at::Tensor& qkv = lin_[0](x, runs, 0, ws.qkv.rows(S, W));
-    const at::Tensor& attn = ws.attn.rows(S, NH * D);
+    const at::Tensor qkv = lin_[0](x, runs, 0, ws.qkv.rows(S, W));
+    const at::Tensor attn = ws.attn.rows(S, NH * D);
     const bool rows_alone = row_attention_available(D);
     const auto attends_alone = [&](size_t g) {
       return rows_alone && (causal[g] || chain[g] || (rows[g] == 1 && !masks[g].numel()));
@@ -263,7 +270,7 @@ class DecodeLayer {
     // every segment's rotated queries in one buffer, segment g's [NH, rows[g], D] from row firsts[g] on
     std::vector<int64_t>& firsts = ws.firsts;
     firsts.resize(rows.size());
-    const at::Tensor& q_all = ws.queries.rows(S, NH * D);
+    const at::Tensor q_all = ws.queries.rows(S, NH * D);
     float* const q_base = q_all.data_ptr<float>();
     const auto q_of = [&](size_t g) { return q_base + firsts[g] * NH * D; };
     std::vector<std::pair<int64_t, int64_t>>& alone = ws.alone;  // (segment, row within it)
@@ -370,16 +377,16 @@ class DecodeLayer {
     const int64_t chunk = std::max<int64_t>(1, kMlpBytes / (lin_[2].outputs() * 4));
     for (int64_t c0 = 0; c0 < S; c0 += chunk) {
       const int64_t n = std::min(chunk, S - c0);
-      const at::Tensor& gu = lin_[2](x.narrow(0, c0, n), runs, c0, ws.gate_up.rows(n, lin_[2].outputs()));  // [n, 2 I]
+      const at::Tensor gu = lin_[2](x.narrow(0, c0, n), runs, c0, ws.gate_up.rows(n, lin_[2].outputs()));  // [n, 2 I]
       const int64_t I = gu.size(1) / 2;
-      const at::Tensor& act = ws.act.rows(n, I);
+      const at::Tensor act = ws.act.rows(n, I);
       at::parallel_for(0, n, std::max<int64_t>(1, kGrain / I), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const float* g = gu.data_ptr<float>() + r * 2 * I;
           silu_mul(g, g + I, act.data_ptr<float>() + r * I, I);
         }
       });
-      const at::Tensor& down = lin_[3](act, runs, c0, ws.down.rows(n, H));
+      const at::Tensor down = lin_[3](act, runs, c0, ws.down.rows(n, H));
       add_into(out.data_ptr<float>() + c0 * H, down.data_ptr<float>(), n * H);
     }
     return into;
