@@ -112,7 +112,8 @@ def cost_markdown(cost: dict[str, Any], labels: dict[str, str]) -> str:
                      c.get("verification_ms"), c["other_ms"], c.get("check_ms"), c.get("check_layers")])
     lines = ["## Where the time goes (ms per decode token)", "",
              f"One decoder layer costs {layer:.3f} ms on the decode path (measured: a batch-1 decode step's {L} "
-             f"layers in the engine's one call, median over steps, over {L}). Layers = mean layers run x that (x passes per token with speculation); other = "
+             f"layers in the engine's one call, median over steps, over {L}). Layers = mean layers run x that "
+             "(x passes per token with speculation); other = "
              "embedding, LM head, sampling, bookkeeping (and, for recompute, the carried rows). One check: a "
              "predictor call's cost, in ms and in layers.", "",
              md_table(["configuration", "total", "layers", "drafter", "predictors", "verification", "other",
