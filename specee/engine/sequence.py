@@ -27,6 +27,10 @@ class RequestStats:
     first_token_time: float | None = None
     finish_time: float | None = None
 
+    def ran_on(self, choice) -> None:
+        """The thread count the request decodes with (a `ThreadChoice`), and its probe's timings if measured."""
+        self.threads, self.thread_probe_ms = choice.threads, dict(choice.step_ms) or None
+
     @property
     def queue_seconds(self) -> float | None:
         return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time

@@ -203,7 +203,7 @@ class EngineThread:
                 torch.set_num_threads(choice.threads)
                 self._applied_threads = choice.threads
                 for h in self._running.values():  # their stats line says what they decode with now
-                    h.seq.stats.threads, h.seq.stats.thread_probe_ms = choice.threads, dict(choice.step_ms) or None
+                    h.seq.stats.ran_on(choice)
         if not self._guard(self.engine.step, list(self._running.values()), "step"):
             return
         if not self.engine.has_unfinished():  # nothing left inside: whatever is unfinished was dropped
