@@ -124,18 +124,16 @@ class Buffer {
  public:
   at::Tensor rows(int64_t S, int64_t cols) {
     if (S > kKeptRows) return at::empty({S, cols}, at::kFloat);
-    if (S != S_ || cols != cols_) {
+    if (!view_.defined() || view_.size(0) != S || view_.size(1) != cols) {
       c10::InferenceMode normal_tensors(false);
       if (storage_.numel() < S * cols) storage_ = at::empty({S * cols}, at::kFloat);
       view_ = storage_.narrow(0, 0, S * cols).view({S, cols});
-      S_ = S, cols_ = cols;
     }
     return view_;
   }
 
  private:
   at::Tensor storage_, view_;
-  int64_t S_ = -1, cols_ = -1;
 };
 
 // What a layer call's rows pass through: the normed input, q/k/v, rotated queries, attention, the
