@@ -54,7 +54,7 @@ def test_bad_flags_are_one_line_before_any_work(capsys, no_model_loads, argv, ne
 
 @needs_models
 def test_a_prompt_longer_than_the_context_fails_before_the_model_loads(capsys, no_model_loads):
-    """Only the tokenizer and the config are read: on a first run the kernels' 40 s build came first."""
+    """Only the tokenizer and the config are read: on a first run the kernels' build (minutes) came first."""
     code, _, err = run_cli(capsys, "generate", "--model", str(STORIES), "--no-chat", "--prompt", "once upon a time " * 400)
     assert_one_line_error(code, err, "--prompt:", "exceeds the model's context of", "--max-new-tokens")
     code, _, err = run_cli(capsys, "generate", "--model", str(STORIES), "--no-chat", "--prompt", "once",

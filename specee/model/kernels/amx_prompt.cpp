@@ -12,6 +12,7 @@
 #include "amx_prompt.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <atomic>

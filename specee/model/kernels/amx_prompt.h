@@ -1,7 +1,7 @@
 // A prompt's products on AMX-BF16 tiles (amx_prompt.cpp): weights dequantized to bf16 once a call,
 // activations rounded to bf16, float32 sums over all inputs.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include "int4_matmul.h"
 

@@ -2,7 +2,7 @@
 // attention): whether they are built, the instruction sets they are compiled for, the tile
 // configuration.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstdlib>

@@ -9,7 +9,7 @@ sources never share a directory. A build that is about to happen says so on stde
 ninja starts on its own, on a newer source or header, says so when it is done).
 
 torch marks a build in progress with a `lock` file in its directory and waits, forever, while one is
-there: a build killed midway (Ctrl-C during the first run's 40 s, an OOM kill) left every later run
+there: a build killed midway (Ctrl-C during the first run's build, an OOM kill) left every later run
 hanging without a word. Builds here hold an advisory lock instead, which the system drops with its
 process, so a `lock` file found while holding it is a dead build's and is removed, saying so.
 """

@@ -7,7 +7,7 @@
 // nibble and input 4 c + 2 + e in its high nibble. Scales: bf16 [N/64][G][s, z][64]; a weight is
 // W = (q - 8) s + z.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <atomic>
 #include <cstdint>

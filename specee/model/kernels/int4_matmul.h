@@ -1,7 +1,9 @@
 // int4 weights x activations rounded to bf16 (int4_matmul.cpp) or quantized per block of 32 to int8
 // (int4_q8.cpp, llama.cpp's Q4_1 x Q8_1 arithmetic); AVX-512 / AVX2 / portable paths.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstring>
 

@@ -1,7 +1,7 @@
 // GGUF Q4_K, Q6_K, Q5_0 and Q8_0 weights run from their own blocks (kquant.cpp), repacked per 16
 // outputs at load (kquant_repack.cpp), times activations quantized per block of 32 to int8.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #define SPECEE_KQ_INLINE __attribute__((always_inline)) inline  // kquant_codes.h, kquant_tile.h: registers, not memory
 

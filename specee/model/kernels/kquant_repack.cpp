@@ -12,6 +12,7 @@
 #include "kquant.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstring>

@@ -3,7 +3,7 @@
 // at::empty costs ~0.37 us here, a std::vector ~15-150 ns, and fresh pages cost a prompt ~5%), so
 // steady decode steps now allocate nothing for their intermediates.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstdlib>
