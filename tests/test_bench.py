@@ -849,3 +849,22 @@ def test_row_costs_time_a_gguf_file_as_stored_before_requantizing_it(tmp_path):
     costs = row_costs(path, torch.device("cpu"), rows=(1, 2), context=8, repeats=1)
     assert list(costs["ms"]) == [AS_STORED[0], "float32", "bfloat16", "int8", "int4"]
     assert all(len(ms) == 2 and min(ms) > 0 for ms in costs["ms"].values())
+
+
+def test_row_costs_time_the_row_counts_in_turn(tmp_path, monkeypatch):
+    """Every repeat passes each row count once, so that a machine's drift during the measurement falls
+    on every count alike (one count's repeats in a row once made 2 rows cheaper than 1)."""
+    from gguf_checkpoints import TinyGGUF, write_gguf
+    from specee.bench.speculative import AS_STORED, row_costs
+    from specee.model.llama import Transformer
+
+    widths = []
+    forward = Transformer.forward
+
+    def recorded(self, tokens, *args, **kwargs):
+        widths.append(tokens.shape[1])
+        return forward(self, tokens, *args, **kwargs)
+    monkeypatch.setattr(Transformer, "forward", recorded)
+    path = write_gguf(tmp_path / "tiny.gguf", TinyGGUF("llama", ("Q4_K", "Q6_K"), True))
+    row_costs(path, torch.device("cpu"), rows=(1, 2, 4), formats=(AS_STORED,), context=8, repeats=2)
+    assert widths == [8] + [1, 2, 4] * 3  # the context, then the warm-up round and 2 timed rounds

@@ -115,17 +115,15 @@ def row_costs(model_dir, device, rows: tuple[int, ...] = (1, 2, 4, 8),
         with torch.inference_mode():
             model.forward(torch.zeros(1, context, dtype=torch.long, device=model.device),
                           model.range_inputs(0, context), cache)
-            times = []
-            for S in rows:
-                tokens = torch.zeros(1, S, dtype=torch.long, device=model.device)
-                step = model.range_inputs(context, S)
-                samples = []
-                for _ in range(repeats + 1):
+            passes = {S: (torch.zeros(1, S, dtype=torch.long, device=model.device), model.range_inputs(context, S))
+                      for S in rows}
+            samples: dict[int, list[float]] = {S: [] for S in rows}
+            for _ in range(repeats + 1):  # the row counts take turns: a machine's drift falls on all of them
+                for S, (tokens, step) in passes.items():
                     t = device_time(model.device)
                     model.logits(model.forward(tokens, step, cache))
-                    samples.append(device_time(model.device) - t)
-                times.append(1000 * median(samples[1:]))
-        out["ms"][name] = times
+                    samples[S].append(device_time(model.device) - t)
+        out["ms"][name] = [1000 * median(samples[S][1:]) for S in rows]
         del model, cache
     return out
 
