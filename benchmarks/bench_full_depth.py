@@ -25,7 +25,7 @@ from specee.bench.report import cpu_name
 from specee.bench.speed import identity
 from specee.bench.tasks import SPEC_BENCH, load_prompts
 from specee.bench.timing import hf_run, load_hf_model, specee_run
-from specee.engine.llm import DTYPES
+from specee.engine.loading import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

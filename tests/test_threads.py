@@ -242,7 +242,7 @@ def test_generate_threads_flag_runs_and_the_stats_line_says_so(capsys):
 
 
 def test_the_stats_line_says_when_fewer_threads_than_all_were_chosen():
-    from specee.cli.args import stats_line
+    from specee.cli.outputs import stats_line
     from specee.engine.sequence import RequestStats
 
     assert stats_line(RequestStats(threads=2)).endswith("; 2 threads)")

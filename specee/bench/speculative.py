@@ -98,7 +98,7 @@ def row_costs(model_dir, device, rows: tuple[int, ...] = (1, 2, 4, 8),
     requantized to each of WEIGHT_FORMATS."""
     import torch
 
-    from ..engine.llm import DTYPES
+    from ..engine.loading import DTYPES
     from ..model.llama import Transformer
     from ..model.resolve import is_gguf
 

@@ -53,7 +53,7 @@ def merged_specs(speculative: list[dict[str, Any]], draft: str, bank: str | None
                  lossless: bool, ee_options: dict[str, Any] | None = None) -> list[ConfigSpec]:
     """Each speculative config the early-exit drafter can draft for, with SpecEE's exits inside its
     verification passes: lossy per KV policy, and lossless."""
-    from ..engine.llm import merged_config
+    from ..engine.loading import merged_config
     from ..speculative.config import SpeculativeConfig
 
     opts = {key: v for key, v in (ee_options or {}).items() if key != "num_draft_tokens"}

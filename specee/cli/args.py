@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from .outputs import exit_room_note
 
 PROG = "specee"
 DEFAULT_MODEL = Path("../shared/models/smollm2-135m-instruct")  # SmolLM2-135M-Instruct, a GGUF file
@@ -349,66 +350,8 @@ def use_tuned(llm) -> None:
     note(describe(found.entry, llm.model.device.type))
 
 
-# Below this share of layers saved, early exit has not paid on any model measured (BENCHMARKS.md: the
-# reference pair saves 14% and runs at 0.86x of full depth, SmolLM2 3% at 0.98x, Qwen 1.5B 2% at 0.94x).
-EXIT_PAYS_FROM = 0.20
-
-
-def exit_room_note(summary: dict) -> str | None:
-    """What calibration predicts early exit saves, when that is too little to pay for its drafter and predictors."""
-    layers = summary.get("num_layers")
-    mean = (summary.get("cross_validated") or {}).get("mean_exit_layer", summary.get("mean_exit_layer"))
-    if not layers or mean is None:
-        return None
-    saved = 1.0 - mean / layers
-    if saved >= EXIT_PAYS_FROM:
-        return None
-    return (f"early exit is expected to skip {saved:.0%} of the layers on this model (calibration: {mean:.1f} of "
-            f"{layers} run); below {EXIT_PAYS_FROM:.0%} it has been slower than full depth on every model measured, "
-            f"because the drafter and predictors cost more. `specee bench speed` measures it here")
-
-def stats_line(stats) -> str:
-    line = (f"{stats.generated_tokens} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s; "
-            f"decode {stats.decode_tokens_per_second:.1f} tokens/s; prompt {stats.prompt_tokens} tokens; "
-            f"{threads_text(stats)})")
-    ee = stats.early_exit
-    if ee:
-        line += (f"; early exit {ee['mode']}/{ee['kv_policy']}: mean {ee['mean_exit_layer']:.1f} of "
-                 f"{ee['num_layers']} layers, {ee['exits_accepted']} exits")
-        if "lossless" in ee:
-            line += f", {ee['lossless']['rollbacks']} rollbacks"
-    sp = stats.speculative
-    if sp:
-        line += (f"; speculative {sp['method']}: mean accepted length {sp['mean_accepted_length']:.2f}, "
-                 f"acceptance rate {sp['acceptance_rate']:.2f}")
-    return line
-
-
-def threads_text(stats) -> str:
-    """'2 threads', or '1 of 2 threads (the fastest measured)' where the load-time timing chose fewer."""
-    n, most = stats.threads, max(stats.thread_probe_ms or {}, default=stats.threads)
-    if n < most:
-        return f"{n} of {most} threads (the fastest measured)"
-    return f"{n} thread{'s' if n != 1 else ''}"
-
-
-def print_stats(stats, detailed: bool) -> None:
-    if not detailed:
-        print(f"[{stats_line(stats)}]", file=sys.stderr)
-        return
-    for key, value in stats.as_dict().items():
-        if isinstance(value, dict):
-            value = json.dumps(value, sort_keys=True)
-        print(f"{key:>26}: {value}", file=sys.stderr)
-
-
 def note(message: str) -> None:
     print(f"{PROG}: note: {message}", file=sys.stderr)
-
-
-def write_out(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 LIBRARY_NAMES = {"max_tokens": "--max-new-tokens", "top_k": "--top-k", "top_p": "--top-p"}

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from .args import (CLIError, PROG, cli_wording, add_early_exit_args, add_model_args, add_sampling_args,
-                   add_speculative_args, load_llm, note, print_stats, resolve_model_dir, sampling_params,
-                   write_out)
+                   add_speculative_args, load_llm, note, resolve_model_dir, sampling_params)
+from .outputs import print_stats, write_out
 
 
 # ---- specee generate -----------------------------------------------------------------------

@@ -45,7 +45,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Calibrate a bank; without -o it goes where `generate --draft` looks for it (outside the repository)."""
     from ..calibration import calibrate, format_summary, load_calibration_prompts
     from ..cache_dir import default_cache_dir
-    from ..engine.llm import check_draft_tokenizers
+    from ..engine.loading import check_draft_tokenizers
     from ..exit.bank import PredictorBank
     from ..tokenizer import Tokenizer
 

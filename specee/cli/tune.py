@@ -70,7 +70,7 @@ def prompt_texts(args: argparse.Namespace) -> list[str]:
 
 def checked_draft(args: argparse.Namespace, model_dir: Path) -> Path | None:
     """The draft model --draft names, resolved, its tokenizer checked against the target's (before loading)."""
-    from ..engine.llm import check_draft_tokenizers
+    from ..engine.loading import check_draft_tokenizers
     from ..model.resolve import resolve_model
     from ..tokenizer import Tokenizer
 

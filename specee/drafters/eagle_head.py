@@ -25,7 +25,8 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
-from ..model.llama import LayerWeights, RaggedInputs, StepInputs, Transformer
+from ..model.llama import LayerWeights, Transformer
+from ..model.step_inputs import RaggedInputs, StepInputs
 from ..model.quant import FloatLinear, Linear, linear_from_parts
 
 WEIGHTS_FILE = "head.safetensors"

@@ -21,7 +21,8 @@ from collections import OrderedDict
 
 import torch
 
-from ..model.llama import StepInputs, Transformer
+from ..model.llama import Transformer
+from ..model.step_inputs import StepInputs
 from .kv_manager import KVCacheManager
 from .runner import Segment, ragged_inputs
 

@@ -34,7 +34,8 @@ from ..exit.kv_policy import POLICY_CLASSES, KVPolicy, Pending, join_rows
 from ..exit.lossless import LosslessVerifier
 from ..exit.scheduler import ExitPayoff, TwoLevelScheduler
 from ..exit.stats import ExitStats
-from ..model.llama import StepInputs, Transformer
+from ..model.llama import Transformer
+from ..model.step_inputs import StepInputs
 from ..sampling import probabilities
 from ..speculative.speculative import SpecStats
 from ..speculative.verify import verify_chain

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import KVCache
-from ..model.llama import StepInputs, Transformer
+from ..model.llama import Transformer
+from ..model.step_inputs import StepInputs
 
 
 def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:

@@ -1,9 +1,6 @@
 """The user-facing API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
-import functools
-import gc
-import json
 import os
 import sys
 import threading
@@ -14,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..cache_dir import default_cache_dir
-from ..drafters.base import Drafter, check_same_tokenizer
+from ..drafters.base import Drafter
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NGramDrafter
 from ..exit.bank import PredictorBank
@@ -27,105 +24,17 @@ from ..tokenizer import Tokenizer, utf8_text
 from ..exit.config import EarlyExitConfig
 from .early_exit import EarlyExitDecoding
 from .engine import Engine
+from .loading import (check_device, check_draft_tokenizers, collector_paused, load_eos_ids, merged_config,
+                      named_drafts, resolve_dtype)
 from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, check_scheduling
 from .sequence import RequestOutput, Sequence
 from .teacher import TeacherForcedStep
 from .threads import ThreadPolicy, check_threads, prefetch_setting
 from .worker import EngineThread
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
 _WORKER_LOCK = threading.Lock()
 QUANTIZATIONS = (None, "int4", "int8", "auto")
 BANK_RECIPE = "r3"  # r2: the draft model's LM head restricted to a frequency shortlist; r3: exit features in float32
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is float32 on CPU (fastest there for small matmuls) and bfloat16 on accelerators."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def load_eos_ids(model_path: Path, model: Transformer, tokenizer: Tokenizer) -> frozenset[int]:
-    """The config's eos ids (a GGUF's eos and eot), generation_config.json's, and the tokenizer's eos."""
-    ids = set(model.cfg.eos_token_ids)
-    gen = model_path / "generation_config.json"
-    if model_path.is_dir() and gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
-def check_device(device: str | torch.device) -> torch.device:
-    """The torch device `device` names, refused in one line where specee cannot run (another kind, no CUDA)."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(dev)!r}: CUDA is not available (torch {torch.__version__}); use device='cpu'")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {str(dev)!r}: there are {torch.cuda.device_count()} CUDA devices")
-    return dev
-
-
-def named_drafts(early_exit: EarlyExitConfig | None, speculative_config) -> list[str]:
-    """The draft models the configs name (checking the speculative_config on the way)."""
-    from ..speculative.config import SpeculativeConfig
-
-    drafts = [] if early_exit is None or early_exit.draft in (None, "ngram") else [early_exit.draft]
-    if speculative_config is not None:
-        spec = SpeculativeConfig.parse(speculative_config)
-        drafts += [spec.model] if spec.method == "draft_model" else []
-    return list(dict.fromkeys(drafts))
-
-
-def check_draft_tokenizers(tokenizer: Tokenizer, model_dir: Path, drafts: list[str]) -> None:
-    """Refuse a draft model whose tokenizer differs from the target's before any weights load (loading
-    a large pair first took minutes)."""
-    for draft in drafts:
-        draft_dir = resolve_model(draft, what="draft model")
-        check_same_tokenizer(tokenizer, Tokenizer(draft_dir), model_dir, draft_dir)
-
-
-def merged_config(config: EarlyExitConfig, speculative_config: dict) -> EarlyExitConfig:
-    """The early-exit config that drafts `num_speculative_tokens` per pass with its own drafter
-    (speculative/config.py says which speculative_configs exits can serve)."""
-    from dataclasses import replace
-
-    from ..speculative.config import SpeculativeConfig
-
-    spec = SpeculativeConfig.parse(speculative_config)
-    spec.check_serves_exits(config.draft)
-    return replace(config, num_draft_tokens=spec.num_speculative_tokens)
-
-
-def _collector_paused(load):
-    """Run `load` with Python's cyclic collector paused (and restored as it was, also on an error).
-    Loading makes ~700k long-lived objects (a GGUF vocabulary's metadata: a memmap per entry), and
-    the collections triggered while they pile up walk them all again: SmolLM2 Q4_1 loaded in 5.6 s
-    instead of 7.3 s (AMD EPYC, 2 threads)."""
-    @functools.wraps(load)
-    def paused(*args, **kwargs):
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return load(*args, **kwargs)
-        finally:
-            if enabled:
-                gc.enable()
-    return paused
 
 
 class LLM:
@@ -151,7 +60,7 @@ class LLM:
     a longer prompt prefills this many tokens a step, so running requests keep decoding; 0: whole).
     """
 
-    @_collector_paused
+    @collector_paused
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                  early_exit: EarlyExitConfig | None = None, progress: bool = True, revision: str | None = None,
                  quantization: str | None = "auto", speculative_config: dict | None = None,

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..model.kv_cache import KVCache
-from ..model.llama import RaggedInputs, StepInputs, Transformer
+from ..model.llama import Transformer
+from ..model.step_inputs import RaggedInputs, StepInputs
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs

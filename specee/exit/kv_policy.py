@@ -23,7 +23,8 @@ from typing import ClassVar
 import torch
 
 from ..model.kv_cache import KVCache
-from ..model.llama import StepInputs, Transformer
+from ..model.llama import Transformer
+from ..model.step_inputs import StepInputs
 
 
 @dataclass

@@ -20,6 +20,7 @@ from .gguf_blocks import GGUFWeight
 from .huge_pages import move_to_huge_pages
 from .quant import FloatLinear, Linear, RefinedHead, kernel_spec, linear_from_parts
 from .rope import apply_rope, rope_tables, signed_sin
+from .step_inputs import NO_MASK, RaggedInputs, StepInputs
 from .gguf import config_from_gguf, open_gguf, read_gguf_state_dict
 from .resolve import is_gguf, local_model
 from .weights import check_config_fits, read_state_dict, take
@@ -45,74 +46,10 @@ class LayerWeights:
     down: Linear
 
 
-@dataclass
-class StepInputs:
-    """What every layer of one forward step shares, computed once per step (not per layer).
-
-    slots: cache slots the rows write, [S]; cos/sin: RoPE rows, [B, S, 1, D] (sin signed, see rope.py);
-    kv_len: how many cache slots attention reads; reads: which of them each row attends to, alone
-    (no other field changes its meaning):
-      "all"     every slot below kv_len (a decode row);
-      "causal"  a prompt's rows, slots start..start+S-1 of an unpadded sequence, each reading the
-                slots up to its own; from slot 0 (a prefill) no mask, causal attention in the fused
-                kernels; from a later slot (a chunked prefill's later part) `mask` holds the rule for
-                attention that is not the C++ layer's own (the Python layer, ATen's fallback);
-      "chain"   each row exactly the slots up to its own (a verification chain): the C++ layer
-                attends each row alone over that prefix, as a decode row; `mask` holds the same
-                rule for the Python layer;
-      "mask"    what `mask` [B, 1, S, kv_len] allows (a draft tree, skip's holes, left padding).
-    """
-
-    slots: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    kv_len: int
-    reads: str = "all"
-    mask: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.mask is None and self.reads in ("chain", "mask"):
-            raise ValueError(f"reads={self.reads!r} needs a mask")
-        if self.mask is not None and self.reads == "all":
-            raise ValueError("reads='all' takes no mask")
-
-    @property
-    def causal(self) -> bool:
-        return self.reads == "causal"
-
-    @property
-    def chain(self) -> bool:
-        return self.reads == "chain"
-
-
-@dataclass
-class RaggedInputs:
-    """Every layer's inputs for the rows of several sequences in one forward (a ragged batch),
-    computed once per step: RoPE rows and cache slots of all rows concatenated, and per sequence
-    (segment) its row count, its own cache and its attention description (a StepInputs); and the
-    per-layer argument lists of the C++ layer, so a layer call builds nothing."""
-
-    cos: torch.Tensor  # [1, N, 1, D]
-    sin: torch.Tensor
-    slots: torch.Tensor  # [N]: each row's slot in its own segment's cache
-    rows: list[int]
-    caches: list[KVCache]
-    steps: list[StepInputs]
-
-    def __post_init__(self) -> None:
-        self.kv_lens = [s.kv_len for s in self.steps]
-        self.masks = [Transformer._no_mask if s.mask is None else s.mask for s in self.steps]
-        self.causal = [s.causal for s in self.steps]
-        self.chain = [s.chain for s in self.steps]
-        self.k_layers = list(zip(*[c.k_layers for c in self.caches]))  # [layer][segment]: the caches' own views
-        self.v_layers = list(zip(*[c.v_layers for c in self.caches]))
-
-
 class Transformer:
     _fast_layers: list | None = None  # the C++ layers (see fast_layers_for), or None
     fast_stack = None  # the same layers as one C++ object (a range of them in one call), or None
     fast_kernels = None  # the C++ module the layers come from (its RMS norm serves the final norm)
-    _no_mask = torch.empty(0, dtype=torch.bool)
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor | GGUFWeight], device: torch.device,
                  dtype: torch.dtype, source: Path, quantization: str | None = None, kv_cache_dtype: str = "auto"):
@@ -316,7 +253,7 @@ class Transformer:
     def layer(self, i: int, h: torch.Tensor, step: StepInputs, cache: KVCache) -> torch.Tensor:
         """Decoder layer i on rows h [B, S, H]; writes their K/V into the cache at step.slots."""
         if self.fast_layers is not None and h.shape[0] == 1:
-            mask = self._no_mask if step.mask is None else step.mask
+            mask = NO_MASK if step.mask is None else step.mask
             return self.fast_layers[i](h, step.cos, step.sin, cache.k[i], cache.v[i], step.slots, step.kv_len, mask,
                                        step.causal, step.chain)
         cfg, w = self.cfg, self.layers[i]

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..model.kv_cache import KVCache
-from ..model.llama import StepInputs, Transformer
+from ..model.llama import Transformer
+from ..model.step_inputs import StepInputs
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def exit_bases(llm, drafts: list[str], calibrate: bool, say: Callable[[str], Non
 def exit_candidate(llm, base, bank: Path, draft: str, mode: str, spec: dict[str, Any] | None = None) -> Candidate:
     """Early exit (`mode`) with the base decoder's drafter and bank; with `spec`, inside its verification passes."""
     from ..engine.early_exit import EarlyExitDecoding
-    from ..engine.llm import merged_config
+    from ..engine.loading import merged_config
 
     config = replace(base.config, bank=str(bank), mode=mode)
     if spec is not None:
