@@ -4,6 +4,8 @@
   elementwise work in plain C++ loops, its products through the kernels below: at batch 1 the ~40
   ATen calls a layer makes from Python cost more than its products on a small model. `DecodeStack`
   runs a range of layers in one call (a call from Python cost ~8 us a layer); `rms_norm`, the final norm.
+  `layer_linear.h`: how it runs a linear in each form the runtime holds, and which rows go to AMX
+  tiles; `layer_workspace.h`: the layer's intermediate rows, kept between calls.
 - `row_attention.cpp`: one row's attention over its own prefix (decode rows, chain rows, a
   prefill's rows) in AVX-512, so a row's numbers never depend on what shares its step; trees and
   masked segments go to ATen. `activation.cpp`: the MLP's SiLU (the polynomial exp of

@@ -15,139 +15,24 @@
 #include "amx_prompt.h"
 #include "int4_matmul.h"
 #include "kquant.h"
+#include "layer_linear.h"
+#include "layer_workspace.h"
 #include "prompt_attention.h"
 #include "row_attention.h"
 
 namespace {
 
+using specee_layer::Linear;
+using specee_layer::Run;
+using specee_layer::prompt_on_tiles;
+using specee_layer::row_runs;
+using specee_layer::workspace;
+using specee_layer::Workspace;
+
 // elements of elementwise work (norms, RoPE, the gate) worth a parallel region (a few microseconds): a
 // prompt's rows split between threads, a decode step's row in one
 constexpr int64_t kGrain = 16384;
 constexpr int64_t kMlpBytes = 16 << 20;  // gate/up outputs of the rows whose MLP runs in one pass
-
-// A prompt (a causal segment) of at least this many rows runs its products (amx_prompt.cpp) and its
-// attention (prompt_attention.cpp) on AMX tiles where the CPU has them: below it the weights'
-// dequantization costs more than the tiles save (SmolLM2's products: 0.5-1.0x of the int8 kernel at
-// 8-24 rows, 1.2-1.5x at 32, 1.7-1.8x at 64). A request's own prompt length decides, so its tokens
-// never depend on what shares its steps.
-constexpr int64_t kTilePromptRows = 32;
-bool prompt_on_tiles(bool causal, int64_t rows) { return causal && rows >= kTilePromptRows && amx_enabled(); }
-
-// Consecutive rows whose products run one way: a prompt's on AMX tiles (`tiles`), or the others'.
-struct Run {
-  int64_t first, count;
-  bool tiles;
-};
-
-// A linear as the runtime holds it (model/quant.py): float weight, int8 per channel, or int4 packed.
-struct Linear {
-  // 0 float: w = weight; 1 int8: w = qweight, aux = bf16 scales; 2 int4 (PyTorch's kernel): w = packed,
-  // aux = scales_and_zeros; 3 int4 (int4_matmul.cpp): w = packed, aux = scales; 4 GGUF K-quant blocks
-  // (kquant.cpp): w = packed, aux = tiles
-  int64_t kind;
-  at::Tensor w, aux, bias;
-  int64_t group;
-
-  // N (int4 packed: N / 64 blocks; GGUF blocks: tiles of 16 outputs)
-  int64_t outputs() const { return kind == 3 ? w.size(0) * 64 : kind == 4 ? aux.size(0) * 16 : w.size(0); }
-
-  // whether a prompt's rows can run on AMX tiles: int4, or GGUF blocks in pairs of 16-output tiles
-  bool tiled() const { return kind == 3 || (kind == 4 && aux.size(0) % 2 == 0); }
-
-  // x [S, K] float32 -> [S, N] float32, into `out` if given (rows of a larger output)
-  at::Tensor operator()(const at::Tensor& x, bool tiles = false, const at::Tensor& out = {}) const {
-    at::Tensor y;
-    if (kind == 3) {
-      y = tiles ? int4_mm_amx(x, w, aux, out) : int4_mm(x, w, aux, out);
-    } else if (kind == 4) {
-      y = tiles ? kquant_mm_amx(x, w, aux, out) : kquant_mm(x, w, aux, out);
-    } else {
-      if (kind == 0)
-        y = at::linear(x, w);
-      else if (kind == 1)
-        y = at::_weight_int8pack_mm(x.to(at::kBFloat16), w, aux).to(at::kFloat);
-      else
-        y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, aux).to(at::kFloat);
-      if (out.defined()) y = out.copy_(y);
-    }
-    if (bias.numel()) y.add_(bias);
-    return y;
-  }
-
-  // x: rows from .. from + S - 1 of the step, each run's rows the way the run says, into `out` [S, N]
-  at::Tensor operator()(const at::Tensor& x, const std::vector<Run>& runs, int64_t from, const at::Tensor& out) const {
-    if (runs.size() == 1) return (*this)(x, runs[0].tiles && tiled(), out);  // a decode step: no plan to make
-    const int64_t S = x.size(0);
-    std::vector<Run> parts;
-    for (const Run& r : runs) {
-      const int64_t a = std::max(r.first, from), b = std::min(r.first + r.count, from + S);
-      const bool tiles = r.tiles && tiled();
-      if (a >= b) continue;
-      if (!parts.empty() && parts.back().tiles == tiles)  // a linear without tiles: one call for all
-        parts.back().count += b - a;
-      else
-        parts.push_back({a - from, b - a, tiles});
-    }
-    if (parts.size() == 1) return (*this)(x, parts[0].tiles, out);
-    for (const Run& p : parts) (*this)(x.narrow(0, p.first, p.count), p.tiles, out.narrow(0, p.first, p.count));
-    return out;
-  }
-};
-
-// The step's rows as runs: a segment's rows go to AMX tiles if it is a prompt of kTilePromptRows or more.
-// Reused across a thread's calls (the engine thread's): a layer call allocates nothing for the plan.
-const std::vector<Run>& row_runs(const std::vector<int64_t>& rows, const std::vector<bool>& causal) {
-  thread_local std::vector<Run> runs;
-  runs.clear();
-  int64_t first = 0;
-  for (size_t g = 0; g < rows.size(); first += rows[g], ++g) {
-    const bool t = prompt_on_tiles(causal[g], rows[g]);
-    if (!runs.empty() && runs.back().tiles == t)
-      runs.back().count += rows[g];
-    else
-      runs.push_back({first, rows[g], t});
-  }
-  return runs;
-}
-
-// Calls of at most this many rows (decode steps, verification passes of 8 requests x 4 rows) keep
-// their intermediate rows; a prompt's get new ones, as before: 9 kept buffers of 128 SmolLM2 rows are
-// ~4.6 MB, past a core's 2 MB L2, and that prefill ran 0.6-0.9x (glibc hands a freed block straight
-// back to the next allocation, so fresh tensors stay in cache).
-constexpr int64_t kKeptRows = 32;
-
-// A layer's intermediate rows [S, cols] float32, reused by the calling thread (the engine thread) from
-// one layer call to the next: in a steady run of steps the same tensor comes back and nothing is
-// allocated (scratch.h says why). Made outside inference mode, whatever the call that first needs it,
-// so that a later call outside it may still write into it (an inference tensor refuses in-place ATen ops).
-class Buffer {
- public:
-  at::Tensor rows(int64_t S, int64_t cols) {
-    if (S > kKeptRows) return at::empty({S, cols}, at::kFloat);
-    if (!view_.defined() || view_.size(0) != S || view_.size(1) != cols) {
-      c10::InferenceMode normal_tensors(false);
-      if (storage_.numel() < S * cols) storage_ = at::empty({S * cols}, at::kFloat);
-      view_ = storage_.narrow(0, 0, S * cols).view({S, cols});
-    }
-    return view_;
-  }
-
- private:
-  at::Tensor storage_, view_;
-};
-
-// What a layer call's rows pass through: the normed input, q/k/v, rotated queries, attention, the
-// MLP's gate/up, activation and down; `hidden`: the two a stack's layers hand each other.
-struct Workspace {
-  Buffer normed, qkv, queries, attn, gate_up, act, down, hidden[2];
-  std::vector<int64_t> firsts;
-  std::vector<std::pair<int64_t, int64_t>> alone;
-};
-
-Workspace& workspace() {
-  thread_local Workspace ws;
-  return ws;
-}
 
 // The sum of squares in 16 running partial sums (lane j takes elements j, j + 16, ...), added in
 // order at the end, the same on every CPU and whatever rows share the call. One chain of dependent
