@@ -852,8 +852,9 @@ def test_row_costs_time_a_gguf_file_as_stored_before_requantizing_it(tmp_path):
 
 
 def test_row_costs_time_the_row_counts_in_turn(tmp_path, monkeypatch):
-    """Every repeat passes each row count once, so that a machine's drift during the measurement falls
-    on every count alike (one count's repeats in a row once made 2 rows cheaper than 1)."""
+    """Every repeat passes each row count once, forward and backward in turn, so that a machine's drift
+    during the measurement falls on every count alike (one count's repeats in a row once made 2 rows
+    cheaper than 1)."""
     from gguf_checkpoints import TinyGGUF, write_gguf
     from specee.bench.speculative import AS_STORED, row_costs
     from specee.model.llama import Transformer
@@ -867,4 +868,4 @@ def test_row_costs_time_the_row_counts_in_turn(tmp_path, monkeypatch):
     monkeypatch.setattr(Transformer, "forward", recorded)
     path = write_gguf(tmp_path / "tiny.gguf", TinyGGUF("llama", ("Q4_K", "Q6_K"), True))
     row_costs(path, torch.device("cpu"), rows=(1, 2, 4), formats=(AS_STORED,), context=8, repeats=2)
-    assert widths == [8] + [1, 2, 4] * 3  # the context, then the warm-up round and 2 timed rounds
+    assert widths == [8, 1, 2, 4, 4, 2, 1, 1, 2, 4]  # the context, then the warm-up round and 2 timed rounds

@@ -13,7 +13,7 @@ from typing import Any
 from ..clock import device_time
 from .common import median
 from .report import md_table
-from .timing import ConfigSpec, hf_run, load_hf_model, specee_run
+from .timing import ConfigSpec, hf_run, in_turns, load_hf_model, specee_run
 
 SPEC_KINDS = ("speculative", "hf_assisted")
 
@@ -118,11 +118,11 @@ def row_costs(model_dir, device, rows: tuple[int, ...] = (1, 2, 4, 8),
             passes = {S: (torch.zeros(1, S, dtype=torch.long, device=model.device), model.range_inputs(context, S))
                       for S in rows}
             samples: dict[int, list[float]] = {S: [] for S in rows}
-            for _ in range(repeats + 1):  # the row counts take turns: a machine's drift falls on all of them
-                for S, (tokens, step) in passes.items():
-                    t = device_time(model.device)
-                    model.logits(model.forward(tokens, step, cache))
-                    samples[S].append(device_time(model.device) - t)
+            for _, S in in_turns(rows, repeats + 1):  # the first pass warms up
+                tokens, step = passes[S]
+                t = device_time(model.device)
+                model.logits(model.forward(tokens, step, cache))
+                samples[S].append(device_time(model.device) - t)
         out["ms"][name] = [1000 * median(samples[S][1:]) for S in rows]
         del model, cache
     return out

@@ -29,7 +29,7 @@ from ..exit.stats import mean_layers_run
 from .common import BenchError, fit_prompt, make_config, median, progress, ratio, resolve_chat, use_config
 from .report import environment, environment_md, md_table
 from .tasks import Prompt
-from .timing import ConfigSpec, Run, hf_run, load_hf_model, specee_run
+from .timing import ConfigSpec, Run, hf_run, in_turns, load_hf_model, specee_run
 
 
 # ---- the benchmark -------------------------------------------------------------------------
@@ -197,8 +197,7 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
         use_config(llm, spec.config if spec.kind == "early_exit" else None)
         return specee_run(llm, ids, n)
 
-    # Runs are interleaved: per prompt and repeat every configuration runs once, in an order
-    # that alternates (forward, backward), so slow drift of the machine hits all of them alike.
+    # Runs are interleaved: per prompt and repeat every configuration runs once (in_turns).
     runs: dict[str, list[list[Run]]] = {spec.name: [[] for _ in fitted] for spec in specs}
     bar = progress(total=len(specs) * (warmup + len(fitted) * repeats), enabled=show_progress, desc="speed",
                    unit="run")
@@ -208,14 +207,11 @@ def run_speed(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = 
             for _ in range(warmup):
                 run_one(spec, fitted[0][0], min(max_new_tokens, 8))
                 bar.update(1)
-        turn = 0
-        for i, (ids, _trunc) in enumerate(fitted):
+        for turn, spec in in_turns(specs, len(fitted) * repeats):
+            i = turn // repeats
             bar.set_description(f"speed: prompt {i + 1}/{len(fitted)}")
-            for _ in range(repeats):
-                for spec in (specs if turn % 2 == 0 else specs[::-1]):
-                    runs[spec.name][i].append(run_one(spec, ids, max_new_tokens))
-                    bar.update(1)
-                turn += 1
+            runs[spec.name][i].append(run_one(spec, fitted[i][0], max_new_tokens))
+            bar.update(1)
     finally:
         bar.close()
         use_config(llm, None)

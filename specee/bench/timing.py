@@ -1,20 +1,32 @@
 """One generation, timed: the `Run` record, the configuration a run is of (`ConfigSpec`), and
 the runners for specee's own `generate` and transformers' `generate` (see speed.py for how the
-runs are scheduled and aggregated); `count_host_reads` for what a step reads back."""
+runs are scheduled and aggregated); `in_turns`, the order every timing loop runs its candidates in;
+`count_host_reads` for what a step reads back."""
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ..clock import device_time
 from .common import BenchError
+
+T = TypeVar("T")
+
+
+def in_turns(items: Sequence[T], passes: int) -> Iterator[tuple[int, T]]:
+    """(pass, item) for every item once a pass, forward and backward in turn: a drift of the machine
+    over the passes (the development VMs' speed moves by a quarter within minutes) falls on every
+    item alike, not on whichever ran its passes then."""
+    for p in range(passes):
+        for item in items if p % 2 == 0 else items[::-1]:
+            yield p, item
 
 
 @dataclass

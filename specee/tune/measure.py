@@ -25,7 +25,7 @@ from typing import Any
 
 from ..bench.common import fit_prompt, median, resolve_chat
 from ..bench.speculative import aggregate_speculative
-from ..bench.timing import Run, specee_run
+from ..bench.timing import Run, in_turns, specee_run
 from ..progress import progress_bar
 
 # Short prompts of several kinds (not from the calibration data, which banks are fitted on): summaries
@@ -193,14 +193,11 @@ class Tuner:
                 bar.set_postfix_str(f"warm-up {c.name}")
                 self.run(c, self.prompts[0], min(self.max_new_tokens, WARMUP_TOKENS))
                 bar.update(1)
-            turn = 0
-            for i, ids in enumerate(self.prompts):
-                for _ in range(self.rounds):
-                    for c in candidates if turn % 2 == 0 else candidates[::-1]:
-                        bar.set_postfix_str(f"prompt {i + 1}/{len(self.prompts)} {c.name}")
-                        runs[c.name][i].append(self.run(c, ids, self.max_new_tokens))
-                        bar.update(1)
-                    turn += 1
+            for turn, c in in_turns(candidates, len(self.prompts) * self.rounds):
+                i = turn // self.rounds
+                bar.set_postfix_str(f"prompt {i + 1}/{len(self.prompts)} {c.name}")
+                runs[c.name][i].append(self.run(c, self.prompts[i], self.max_new_tokens))
+                bar.update(1)
         finally:
             bar.close()
             self.llm.early_exit, self.llm.speculative = None, None
