@@ -11,7 +11,7 @@ import torch
 
 from specee import LLM, SamplingParams, cli
 from specee.engine import threads
-from specee.engine.threads import ThreadPolicy, candidates, check_threads, choose_prefetch, choose_threads
+from specee.engine.threads import ThreadChoice, ThreadPolicy, candidates, check_threads, choose_prefetch, choose_threads
 from specee.model import kernels
 
 from conftest import MODELS
@@ -135,6 +135,26 @@ def test_a_count_fast_only_after_a_pause_loses_to_a_steady_one():
         run["end"] = time.perf_counter()
     choice = choose_threads(step, [1, 2])
     assert choice.threads == 1 and choice.step_ms[2] > choice.step_ms[1], choice
+
+
+@pytest.mark.parametrize("ms", [{1: 10.0, 2: 9.6}, {1: 10.0, 3: 9.6, 4: 9.4}])
+def test_more_threads_are_chosen_only_when_clearly_faster(ms):
+    """A larger count within MORE_THREADS_MARGIN of a smaller one's step is not worth it: beside a busy
+    process a probe of 2 threads at 0.94x of 1 thread's step was followed by steps at 3x."""
+    choice = choose_threads(sleeper(ms), sorted(ms))
+    assert choice.threads == 1 == torch.get_num_threads(), choice
+
+
+@needs_stories
+@pytest.mark.parametrize("watched_ms, slowed", [(14.0, True), (10.0, False)])
+def test_a_step_slower_than_fewer_threads_measured_sets_off_a_check(watched_ms, slowed):
+    """2 threads won the probe at 9 ms a step against 10 for 1; a step of 14 ms (under twice 9) says
+    that probe ran ahead of the decoding after it, and the counts are measured again."""
+    llm = LLM(STORIES, threads=2)
+    policy = llm.threads
+    policy.choice = ThreadChoice(2, {1: 10.0, 2: 9.0})
+    policy.step = lambda: time.sleep(watched_ms / 1e3)
+    assert policy.slowed() is slowed
 
 
 def test_candidates():

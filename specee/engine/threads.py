@@ -38,6 +38,12 @@ ROUNDS = (3, 7)  # rounds of timings per option: at least, at most
 # with other counts kept showing 2 threads fast beside a busy process (3.8 against 4.3 ms for 1) and
 # decoding then ran 72-87 tokens/s against 212-235 on 1 thread (SmolLM2, AMD EPYC Zen 4).
 BURST_SECONDS = 0.02
+# More threads are chosen only when their median step is under this share of the fewer threads': beside
+# a busy process their bursts still run ahead of the decoding that follows (SmolLM2 Q4_1 on 2 cores of
+# an Intel Xeon, 10 LLMs built beside a spinning process: 2 threads' probes took 1.14-1.59x of 1
+# thread's in nine, 0.94x in one, and that LLM decoded at 54-66 tokens/s on 2 threads against 108-212
+# on 1). Idle, 2 threads' steps take 0.56-0.75x of 1 thread's on the models measured.
+MORE_THREADS_MARGIN = 0.9
 
 
 @dataclass
@@ -113,8 +119,14 @@ def ceiling() -> int:
 
 
 def choose_threads(step: Callable[[], object], counts: list[int]) -> ThreadChoice:
-    """The fastest of `counts` on `step` (the fewer threads on a tie), set as torch's count."""
-    best, step_ms = fastest(step, counts, set_threads)
+    """The fastest of `counts` on `step`, set as torch's count; a larger count only where its median
+    step is under MORE_THREADS_MARGIN of the count it would replace."""
+    _, step_ms = fastest(step, counts, set_threads)  # nothing timed where there is one count
+    best = min(counts)
+    for count in sorted(step_ms):
+        if step_ms[count] < MORE_THREADS_MARGIN * step_ms[best]:
+            best = count
+    set_threads(best)
     return ThreadChoice(best, step_ms)
 
 
@@ -185,10 +197,14 @@ class ThreadPolicy:
     # the machine has changed and the counts are measured again then, SOON_SECONDS after the last check
     # at the earliest (a load that comes and goes costs at most a probe per 5 s). On 2 threads, a
     # process that starts spinning made SmolLM2's steps 5-7x slower.
+    # A watched step over FEWER_SLOWER times what fewer threads took in the last probe also sets off a
+    # check: that probe ran ahead of the decoding after it (SmolLM2, beside a spinning process: a 12.4
+    # ms probe of 2 threads against 13.2 for 1, then 18 ms steps on 2, under SLOWED, for 12 s).
     WATCH_SECONDS = 1.0
     WATCH_SHARE = 0.005
     SOON_SECONDS = 5.0
     SLOWED = 2.0
+    FEWER_SLOWER = 1.2
 
     def __init__(self, model, threads: int | None):
         self.most = ceiling()  # the ceiling of the counts tried, kept across checks
@@ -221,10 +237,13 @@ class ThreadPolicy:
         return self.choice
 
     def slowed(self) -> bool:
-        """Whether one decode step now takes over SLOWED times the last measurement of this count."""
+        """Whether one decode step now takes over SLOWED times the last measurement of this count, or
+        over FEWER_SLOWER times that of a smaller count."""
         self.watched = time.monotonic()
         before = self.choice.step_ms.get(self.choice.threads)
+        fewer = [ms for count, ms in self.choice.step_ms.items() if count < self.choice.threads]
         start = time.perf_counter()
         self.step()
         self.watched_step = time.perf_counter() - start
-        return before is not None and self.watched_step * 1e3 > self.SLOWED * before
+        ms = self.watched_step * 1e3
+        return before is not None and (ms > self.SLOWED * before or ms > self.FEWER_SLOWER * min(fewer, default=ms))
