@@ -4,9 +4,10 @@ For each mode (full depth, speculative configs) and each concurrency c, the same
 served c at a time (`LLM.generate` over c prompts, greedy, EOS ignored so every request makes
 max_tokens) and one at a time; it reports generated tokens per second of wall time, and each
 ratio within this one run. It uses only `LLM(...)` and `generate`, so it runs on older commits
-too (to compare a change against its parent on the same machine). With `--rounds N` the modes take
-turns N times and each figure is the median of its N: the development VMs' speed drifts by a
-quarter within minutes, which one pass per mode attributes to whichever mode ran then.
+too (to compare a change against its parent on the same machine). The modes take turns at each
+concurrency (forward, then backward at the next), `--rounds N` times; each figure is the median of
+its N, and a mode's ratio to full depth the median of its N ratios within a turn: the development
+VMs' speed drifts by a quarter within minutes, which a mode's whole pass would take for its own.
 
     python benchmarks/bench_engine.py --model ../shared/models/smollm2-135m-instruct --prompts 8 \
         --concurrency 1 4 8 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
@@ -79,19 +80,21 @@ def main() -> None:
     samples: dict[str, dict[str, list[float]]] = {name: {} for name, _ in modes}
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_tokens} tokens, "
           f"{args.rounds} round(s)")
+    turn = 0
     for _ in range(args.rounds):
-        for name, config in modes:
-            if isinstance(config, EarlyExitConfig):
-                llm.enable_early_exit(config)
-                llm.calibrate()
-            else:
-                llm.early_exit = None
-                llm.enable_speculative(config)
-            serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
-            for c in args.concurrency:
+        for c in args.concurrency:
+            for name, config in modes if turn % 2 == 0 else modes[::-1]:
+                if isinstance(config, EarlyExitConfig):
+                    llm.enable_early_exit(config)
+                    llm.calibrate()
+                else:
+                    llm.early_exit = None
+                    llm.enable_speculative(config)
+                serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
                 seconds, tokens, decode_seconds, decoded = serve(llm, prompts, params, c)
                 samples[name].setdefault(f"c{c}", []).append(tokens / seconds)
                 samples[name].setdefault(f"decode_c{c}", []).append(decoded / decode_seconds)
+            turn += 1
     results = []
     for name, _ in modes:
         row = {"mode": name, **{k: round(statistics.median(v), 2) for k, v in samples[name].items()}}
@@ -102,10 +105,13 @@ def main() -> None:
             base = row[f"{key}{args.concurrency[0]}"]
             print(f"{name}, {what}: " + ", ".join(f"c={c} {row[f'{key}{c}']} tok/s ({row[f'{key}{c}'] / base:.2f}x)"
                                                   for c in args.concurrency))
+    full = samples[modes[0][0]]
     for row in results[1:]:
+        own = samples[row["mode"]]
+        row["to_full_depth"] = {k: round(statistics.median(a / b for a, b in zip(own[k], full[k])), 3) for k in own}
         for key, what in (("c", "end to end"), ("decode_c", "decode phase")):
-            print(f"{row['mode']} / full depth, {what}: " + ", ".join(
-                f"c={c} {row[f'{key}{c}'] / results[0][f'{key}{c}']:.2f}x" for c in args.concurrency))
+            print(f"{row['mode']} / full depth, {what} (median of the turns' ratios): " + ", ".join(
+                f"c={c} {row['to_full_depth'][f'{key}{c}']:.2f}x" for c in args.concurrency))
     if args.out:
         Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(),
                                               "prompts": len(prompts), "max_tokens": args.max_tokens,
