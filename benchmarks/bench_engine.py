@@ -5,8 +5,9 @@ served c at a time (`LLM.generate` over c prompts, greedy, EOS ignored so every 
 max_tokens) and one at a time; it reports generated tokens per second of wall time, and each
 ratio within this one run. It uses only `LLM(...)` and `generate`, so it runs on older commits
 too (to compare a change against its parent on the same machine). The modes take turns at each
-concurrency (forward, then backward at the next), `--rounds N` times; each figure is the median of
-its N, and a mode's ratio to full depth the median of its N ratios within a turn: the development
+concurrency (forward, then backward at the next), `--rounds N` times, each keeping its decoding
+(a speculation gate learns from turn to turn, as a long-lived LLM's does); each figure is the median
+of its N, and a mode's ratio to full depth the median of its N ratios within a turn: the development
 VMs' speed drifts by a quarter within minutes, which a mode's whole pass would take for its own.
 
     python benchmarks/bench_engine.py --model ../shared/models/smollm2-135m-instruct --prompts 8 \
@@ -80,16 +81,20 @@ def main() -> None:
     samples: dict[str, dict[str, list[float]]] = {name: {} for name, _ in modes}
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_tokens} tokens, "
           f"{args.rounds} round(s)")
+    decoders: dict[str, tuple] = {}  # each mode's decoding, kept from turn to turn (its gate learns, as a served LLM's)
     turn = 0
     for _ in range(args.rounds):
         for c in args.concurrency:
             for name, config in modes if turn % 2 == 0 else modes[::-1]:
-                if isinstance(config, EarlyExitConfig):
+                if name in decoders:
+                    llm.early_exit, llm.speculative = decoders[name]
+                elif isinstance(config, EarlyExitConfig):
                     llm.enable_early_exit(config)
                     llm.calibrate()
                 else:
                     llm.early_exit = None
                     llm.enable_speculative(config)
+                decoders[name] = llm.early_exit, llm.speculative
                 serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
                 seconds, tokens, decode_seconds, decoded = serve(llm, prompts, params, c)
                 samples[name].setdefault(f"c{c}", []).append(tokens / seconds)

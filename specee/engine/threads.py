@@ -40,7 +40,7 @@ ROUNDS = (3, 7)  # rounds of timings per option: at least, at most
 BURST_SECONDS = 0.02
 # More threads are chosen only when their median step is under this share of the fewer threads': beside
 # a busy process their bursts still run ahead of the decoding that follows (SmolLM2 Q4_1 on 2 cores of
-# an Intel Xeon, 10 LLMs built beside a spinning process: 2 threads' probes took 1.14-1.59x of 1
+# an Intel Xeon, 10 LLMs built beside a spinning process: 2 threads' probes took 1.15-1.59x of 1
 # thread's in nine, 0.94x in one, and that LLM decoded at 54-66 tokens/s on 2 threads against 108-212
 # on 1). Idle, 2 threads' steps take 0.56-0.75x of 1 thread's on the models measured.
 MORE_THREADS_MARGIN = 0.9
