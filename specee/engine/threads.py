@@ -64,12 +64,15 @@ def candidates(most: int) -> list[int]:
     return sorted({1, max(1, most - 1), most})
 
 
-def fastest(step: Callable[[], object], options: list, apply: Callable[[object], object]) -> tuple[object, dict]:
+def fastest(step: Callable[[], object], options: list, apply: Callable[[object], object],
+            margin: float = 1.0) -> tuple[object, dict]:
     """Time `step` under each option (`apply(option)` sets it), a burst of steps each in turn, so that
     a load that comes and goes hits them alike, and set the option with the fastest median; one
-    warm-up step each first. An option whose fastest step is over twice another's slowest stops
-    being timed (a busy machine's 2 threads took 60-360 ms a step against 7-16 ms: more rounds would
-    only cost time). Returns it and the median step in ms per option timed."""
+    warm-up step each first. A larger option wins over a smaller one only with a median under
+    `margin` times the smaller's (1.0: the fastest, the smaller on a tie). An option whose fastest
+    step is over twice another's slowest stops being timed (a busy machine's 2 threads took 60-360 ms
+    a step against 7-16 ms: more rounds would only cost time). Returns it and the median step in ms
+    per option timed."""
     times: dict = {o: [] for o in options}
     live = list(options)
     start = time.perf_counter()
@@ -83,7 +86,10 @@ def fastest(step: Callable[[], object], options: list, apply: Callable[[object],
             times[o].append(burst(step))
         live = [o for o in live if not any(min(times[o]) > 2 * max(times[m]) for m in live)]
     step_ms = {o: 1e3 * statistics.median(ts) for o, ts in times.items() if ts}
-    best = min(live, key=lambda o: (step_ms.get(o, 0.0), o))
+    best, *larger = sorted(live)
+    for o in larger:
+        if step_ms[o] < margin * step_ms[best]:
+            best = o
     apply(best)
     return best, step_ms
 
@@ -121,12 +127,7 @@ def ceiling() -> int:
 def choose_threads(step: Callable[[], object], counts: list[int]) -> ThreadChoice:
     """The fastest of `counts` on `step`, set as torch's count; a larger count only where its median
     step is under MORE_THREADS_MARGIN of the count it would replace."""
-    _, step_ms = fastest(step, counts, set_threads)  # nothing timed where there is one count
-    best = min(counts)
-    for count in sorted(step_ms):
-        if step_ms[count] < MORE_THREADS_MARGIN * step_ms[best]:
-            best = count
-    set_threads(best)
+    best, step_ms = fastest(step, counts, set_threads, MORE_THREADS_MARGIN)
     return ThreadChoice(best, step_ms)
 
 
@@ -246,4 +247,4 @@ class ThreadPolicy:
         self.step()
         self.watched_step = time.perf_counter() - start
         ms = self.watched_step * 1e3
-        return before is not None and (ms > self.SLOWED * before or ms > self.FEWER_SLOWER * min(fewer, default=ms))
+        return before is not None and (ms > self.SLOWED * before or bool(fewer) and ms > self.FEWER_SLOWER * min(fewer))
