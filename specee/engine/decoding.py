@@ -46,6 +46,11 @@ class FullDepth:
         """Which of the request's `rows` final rows need logits (here: all)."""
         return range(rows)
 
+    def takes_argmax(self, r: Running) -> bool:
+        """Whether the request's verdict is its one row's argmax (a greedy plain step), which the engine
+        then reads from one argmax over the step's rows instead of calling `choose`."""
+        return r.seq.params.greedy
+
     def choose(self, r: Running, logits: torch.Tensor) -> torch.Tensor:
         """The request's verdict on the device from its rows' logits: here [t], the next token."""
         return sample(logits, r.seq.params, r.generator)

@@ -255,6 +255,9 @@ class EarlyExitDecoding(FullDepth):
         """Rows whose final logits the verdict needs: lossless, the carried rows too (they verify)."""
         return range(rows) if self.lossless else range(rows - r.state.step.R, rows)
 
+    def takes_argmax(self, r: Running) -> bool:
+        return False  # its verdict also judges carried rows or comes from an exit
+
     def choose(self, r: Running, logits: torch.Tensor | None) -> torch.Tensor | list[int]:
         """Exited: [a, tokens...] already read by the controller. Full depth: the carried rows'
         judgements (lossless), then the chain's verdict [a, t_0..t_m]."""

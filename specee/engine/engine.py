@@ -19,7 +19,7 @@ import torch
 
 from ..clock import device_time
 from ..model.llama import Transformer
-from ..sampling import NONFINITE_TOKEN, sample
+from ..sampling import NONFINITE_TOKEN, greedy, sample
 from .cuda_graphs import DecodeGraphs
 from .decoding import FullDepth
 from .kv_manager import KVCacheManager, parse_kv_budget
@@ -125,21 +125,30 @@ class Engine:
                 pick = range(n - 1, n) if r.prefill_done == len(r.seq.prompt_ids) else range(0)
             picks.append(range(offset + pick.start, offset + pick.stop))
         logits = self.model.logits(self._rows(h, picks)) if any(picks) else None
+        # a greedy plain row's token is its argmax: one call over every row of the step, not one a request
+        takes = [len(pick) == 1 and (self.decoding.takes_argmax(r) if r.prefilled else r.seq.params.greedy)
+                 for r, pick in zip(batch, picks)]
+        best = greedy(logits) if any(takes) else None
         verdicts, at = [], 0
-        for r, pick in zip(batch, picks):
-            own = None if logits is None else logits[at : at + len(pick)]
-            at += len(pick)
-            if r.prefilled:
+        for r, pick, argmax in zip(batch, picks, takes):
+            own = None if logits is None or argmax else logits[at : at + len(pick)]
+            if argmax:
+                verdicts.append(at)  # its row of `best`
+            elif r.prefilled:
                 verdicts.append(self.decoding.choose(r, own))
             else:
                 verdicts.append(sample(own, r.seq.params, r.generator) if len(pick) else [])
-        on_device = [v for v in verdicts if isinstance(v, torch.Tensor)]
+            at += len(pick)
+        on_device = ([] if best is None else [best]) + [v for v in verdicts if isinstance(v, torch.Tensor)]
         chosen = torch.cat(on_device) if len(on_device) > 1 else on_device[0] if on_device else None
         values = [] if chosen is None else chosen.tolist()  # the step's one host read
         now = device_time(self.model.device)
-        at = total = 0
+        at = 0 if best is None else best.shape[0]
+        total = 0
         for r, first, n, verdict in zip(batch, firsts, rows, verdicts):
-            if isinstance(verdict, torch.Tensor):
+            if isinstance(verdict, int):
+                verdict = [values[verdict]]
+            elif isinstance(verdict, torch.Tensor):
                 verdict, at = values[at : at + verdict.shape[0]], at + verdict.shape[0]
             feats = None if features is None else features[first : first + n]
             if NONFINITE_TOKEN in verdict:  # NaN or Inf logits: the request ends with an error, no one else does

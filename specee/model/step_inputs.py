@@ -11,7 +11,7 @@ from .kv_cache import KVCache
 NO_MASK = torch.empty(0, dtype=torch.bool)  # what the C++ layer takes for "no mask"
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepInputs:
     """What every layer of one forward step shares, computed once per step (not per layer).
 

@@ -195,6 +195,9 @@ class SpeculativeDecoding(FullDepth):
             return Segment(st.tree.tokens, r.cache, tree_inputs(model, st.tree, n))
         return Segment(torch.cat([last, st.draft.tokens]), r.cache, model.range_inputs(n, st.draft.tokens.shape[0] + 1))
 
+    def takes_argmax(self, r: Running) -> bool:
+        return r.state.plain and r.seq.params.greedy
+
     def choose(self, r: Running, logits: torch.Tensor) -> torch.Tensor:
         st = r.state
         if st.plain:
