@@ -8,47 +8,22 @@ and tries the other now and then. A step without drafts runs full depth's row an
 drafter still sees the token), so the output does not depend on the choice (greedy stays full
 depth's tokens).
 
-Trying drafts again is what costs (Qwen2.5-Coder-1.5B with its 0.5B draft model, 4 requests x 64
-tokens: 0.63x of full depth's decode with drafts explored twice after losing alone), so:
-- a draft model first catches up on every token it skipped: the first drafting step after plain
-  ones is not measured (it says what switching costs, not what drafting does), nor is one whose
-  drafters run more than a token a request first (a new request's prompt: on an Intel Xeon the Qwen
-  pair's first drafting step of a request took 150-190 ms, later ones 100-105, plain ones 45, and
-  charging it to drafting lost 2 of 5 requests' drafts), and a try lasts until one step is, or until
-  its TRY_STEPS-th drafting step, measured whatever it caught up. (After a fully accepted chain a
-  draft model runs 2 tokens a request first: at 4 Qwen requests every step of a try counted as a
-  catch-up, and the try ran on for 20 steps at 0.66x of plain steps' rate. Measuring all such
-  steady steps instead cost one request 5-10%: its drafting spells broke up.) An
-  n-gram drafter has nothing to catch up on, but measuring its first step too (a one-step try) lost
-  on two AMD EPYCs: n-gram / full depth at 8 SmolLM2 requests 0.86-0.96x against 0.92-1.14x with
-  two-step tries (cheaper tries come more often, and one lucky step flips the arm);
-- the gap between tries doubles while the same arm wins, up to `max_gap`, and is at least what
-  keeps a losing try's excess time under `explore_share` of the steps between tries. While drafts
-  lose by more than `margin` it keeps doubling (up to `longest_gap`): a wide loss seldom turns, and
-  tries every `max_gap` steps cost 8 SmolLM2 requests about 3.5% of their decode speed (n-gram
-  drafts ran 0.6-0.7x of plain steps there; held off, the speculative path ran as fast as full depth);
-- a larger batch seen for the first time starts without drafts once a smaller one has been
-  measured, and tries them after `explore` steps where they won there by `margin`, else after
-  `max_gap` steps at least (extra rows only cost more as the batch grows, so a narrow win turns
-  into a loss). Drafts first would cost more: a draft model's first step over 4 new requests
-  prefills their prompts too (430-460 ms against 28 ms for a plain step, Qwen pair, where drafts
-  won alone by 0-5%), and one plain step too many costs one step's gain;
-- a batch size whose warm-up with drafts was cut short (a 2-request warm-up call of 8 tokens) and
-  comes back after plain steps starts over as a new one: resuming its drafts first cost the Qwen
-  pair a catch-up of 3 requests (260 ms of a 6.2 s run) as a 4-request batch shrank;
-- a try's measurement replaces the losing arm's (one step slowed by anything else kept its arm
-  losing for the rest of a run while newer tries only nudged a decaying sum);
-- an arm that a try made best and that loses again within `explore` steps was one lucky step, not a
-  turn: the old arm comes back with the gap it had earned, not `explore` (8 SmolLM2 requests on
-  an Intel Xeon: a lucky n-gram try, 24 tokens in 34 ms against plain steps' 8 in 12.5, set off tries
-  every 8-16 steps; n-gram against full depth in paired steps went from 0.940-0.959x to 0.968-0.984x.
-  A window of the whole earned gap also caught drafts' own turns: Qwen's n-gram alone 1.01x, not 1.06x);
-- a try of drafts that would first catch a draft model up waits until its expected catch-up (the
-  tokens pending times the seconds per token the drafter's steps have shown, `CatchUpCost`) is within
-  `explore_share` of the plain steps since the last try: the first try at 4 new Qwen requests caught
-  the 0.5B draft model up on their prompts in 719-805 ms, 13-15 plain steps, and the 64-token
-  requests never repaid it (0.83x of full depth). A drafter that skips nothing (n-gram, EAGLE) pends
-  no tokens and tries as before.
+Trying drafts again is what costs, so each rule below makes tries cheaper or rarer (the
+measurements behind each: BENCHMARKS.md, session 40, "The speculation gate's rules"):
+- what switching costs is not what drafting does: the first drafting step after plain ones, and
+  one whose draft model first catches up on more than a token a request (a new prompt), are not
+  measured; a try lasts until one step is, or until its TRY_STEPS-th drafting step;
+- the gap between tries doubles while the same arm wins, up to `max_gap` (up to `longest_gap` while
+  drafts lose by more than `margin`: a wide loss seldom turns), and is at least what keeps a losing
+  try's excess time under `explore_share` of the steps between tries;
+- a batch size seen for the first time after a smaller one was measured starts without drafts, and
+  tries them after `explore` steps where they won there by `margin`, else after `max_gap` (extra rows
+  only cost more as the batch grows); one whose drafts-first warm-up was cut short starts over;
+- a try's measurement replaces the losing arm's (one slow step must not keep an arm losing), and an
+  arm that a try made best and that loses again within `explore` steps was a lucky step: the old arm
+  comes back with the gap it had earned;
+- a try that would first catch a draft model up waits until that catch-up (`CatchUpCost`: pending
+  tokens times seconds a token) is within `explore_share` of the plain steps since the last try.
 """
 from __future__ import annotations
 
