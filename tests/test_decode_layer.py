@@ -47,9 +47,8 @@ def rows_case(model, cache, case: str, ids: list[int]):
         return model.range_inputs(n - 3, 4), ids[-4:]
     if case == "prefill":
         return model.range_inputs(0, len(ids)), ids
-    step = model.range_inputs(n, 1)
-    step.mask = (torch.arange(n + 1) % 3 != 1).view(1, 1, 1, n + 1)  # holes, as skip leaves
-    return step, ids[-1:]
+    holes = (torch.arange(n + 1) % 3 != 1).view(1, 1, 1, n + 1)  # as skip leaves them (exit/kv_policy.py)
+    return replace(model.range_inputs(n, 1), reads="mask", mask=holes), ids[-1:]
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
