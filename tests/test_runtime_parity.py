@@ -166,6 +166,31 @@ def test_rope_tables_match_transformers(variant):
     torch.testing.assert_close(sin, ref_sin[0], atol=1e-6, rtol=0, msg=lambda m: f"{name} sin: {m}")
 
 
+
+def test_a_decode_rows_kept_inputs_are_its_slots_and_cannot_change(variant, monkeypatch):
+    """range_inputs keeps a decode row's StepInputs per slot (below KEPT_ROW_INPUTS): a kept one holds
+    exactly what a fresh one would, cannot be altered (a later request reads it), and slots past the
+    limit are made each time and not kept."""
+    import dataclasses
+
+    from specee.model import llama
+
+    model = variant[2].model
+    monkeypatch.setattr(llama, "KEPT_ROW_INPUTS", 40)
+    monkeypatch.setattr(model, "_row_inputs", {})  # what earlier tests' decoding kept
+    D = model.cfg.head_dim
+    for n in (0, 5, 37):
+        kept = model.range_inputs(n, 1)
+        assert model.range_inputs(n, 1) is kept
+        assert kept.reads == "all" and kept.mask is None and kept.kv_len == n + 1
+        assert torch.equal(kept.slots, torch.tensor([n]))
+        assert torch.equal(kept.cos, model.cos_table[n].view(1, 1, 1, D))
+        assert torch.equal(kept.sin, model.sin_table[n].view(1, 1, 1, D))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            kept.mask = torch.ones(1, 1, 1, n + 1, dtype=torch.bool)
+    far = model.range_inputs(40, 1)
+    assert model.range_inputs(40, 1) is not far and far.kv_len == 41 and torch.equal(far.slots, torch.tensor([40]))
+
 def test_long_context_logits_match_transformers(tmp_path_factory):
     """Llama-3 RoPE scaling at positions near 5k: prefill and decode logits still within 1e-4."""
     from checkpoints import LONG_CONTEXT, make_checkpoint

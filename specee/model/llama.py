@@ -46,6 +46,10 @@ class LayerWeights:
     down: Linear
 
 
+# slots whose decode-row inputs the model keeps once made (range_inputs): ~2 KB each, 16 MB at most
+KEPT_ROW_INPUTS = 8192
+
+
 class Transformer:
     _fast_layers: list | None = None  # the C++ layers (see fast_layers_for), or None
     fast_stack = None  # the same layers as one C++ object (a range of them in one call), or None
@@ -114,7 +118,7 @@ class Transformer:
         self.cos_table, self.sin_table = cos, signed_sin(sin)
         # slot / position indices 0..context-1, made once: decode steps slice it instead of allocating
         self.slot_ids = torch.arange(cfg.max_position_embeddings, device=device)
-        self._row_inputs: dict[int, StepInputs] = {}  # a decode row's inputs per slot, made once (range_inputs)
+        self._row_inputs: dict[int, StepInputs] = {}  # a decode row's inputs per slot below KEPT_ROW_INPUTS
         # CUDA's fused attention kernels take no mask together with grouped KV heads (it falls back to
         # the math kernel, scores materialised): where a mask is needed there, KV heads are expanded
         self.expand_kv_for_mask = device.type == "cuda"
@@ -246,7 +250,7 @@ class Transformer:
         mask = (self.slot_ids[:end][None, :] <= slots[:, None]).view(1, 1, count, end) if start and count > 1 else None
         step = StepInputs(slots=slots, cos=self.cos_table[start:end].view(1, count, 1, D),
                           sin=self.sin_table[start:end].view(1, count, 1, D), kv_len=end, reads=reads, mask=mask)
-        if count == 1:
+        if count == 1 and start < KEPT_ROW_INPUTS:
             self._row_inputs[start] = step
         return step
 
