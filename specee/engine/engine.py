@@ -125,31 +125,10 @@ class Engine:
                 pick = range(n - 1, n) if r.prefill_done == len(r.seq.prompt_ids) else range(0)
             picks.append(range(offset + pick.start, offset + pick.stop))
         logits = self.model.logits(self._rows(h, picks)) if any(picks) else None
-        # a greedy plain row's token is its argmax: one call over every row of the step, not one a request
-        takes = [len(pick) == 1 and (self.decoding.takes_argmax(r) if r.prefilled else r.seq.params.greedy)
-                 for r, pick in zip(batch, picks)]
-        best = greedy(logits) if any(takes) else None
-        verdicts, at = [], 0
-        for r, pick, argmax in zip(batch, picks, takes):
-            own = None if logits is None or argmax else logits[at : at + len(pick)]
-            if argmax:
-                verdicts.append(at)  # its row of `best`
-            elif r.prefilled:
-                verdicts.append(self.decoding.choose(r, own))
-            else:
-                verdicts.append(sample(own, r.seq.params, r.generator) if len(pick) else [])
-            at += len(pick)
-        on_device = ([] if best is None else [best]) + [v for v in verdicts if isinstance(v, torch.Tensor)]
-        chosen = torch.cat(on_device) if len(on_device) > 1 else on_device[0] if on_device else None
-        values = [] if chosen is None else chosen.tolist()  # the step's one host read
+        verdicts = self._verdicts(batch, picks, logits)
         now = device_time(self.model.device)
-        at = 0 if best is None else best.shape[0]
         total = 0
         for r, first, n, verdict in zip(batch, firsts, rows, verdicts):
-            if isinstance(verdict, int):
-                verdict = [values[verdict]]
-            elif isinstance(verdict, torch.Tensor):
-                verdict, at = values[at : at + verdict.shape[0]], at + verdict.shape[0]
             feats = None if features is None else features[first : first + n]
             if NONFINITE_TOKEN in verdict:  # NaN or Inf logits: the request ends with an error, no one else does
                 r.seq.append(NONFINITE_TOKEN)
@@ -174,6 +153,37 @@ class Engine:
                 r.last = emitted[-1]
             total += len(emitted)
         return total
+
+    def _verdicts(self, batch: list[Running], picks: list[range], logits: torch.Tensor | None) -> list[list[int]]:
+        """Every request's verdict as host ints, all read at once (the step's one host read). A greedy
+        plain row's token is its argmax, from one call over every row of the step, not one a request;
+        the others come from the decoding's `choose` (a prefill's last row: `sample`)."""
+        takes = [len(pick) == 1 and (self.decoding.takes_argmax(r) if r.prefilled else r.seq.params.greedy)
+                 for r, pick in zip(batch, picks)]
+        best = greedy(logits) if any(takes) else None
+        chosen, row = [], 0  # per request: its row of `best`, a device tensor, or host ints already
+        for r, pick, argmax in zip(batch, picks, takes):
+            own = None if logits is None or argmax else logits[row : row + len(pick)]
+            if argmax:
+                chosen.append(row)
+            elif r.prefilled:
+                chosen.append(self.decoding.choose(r, own))
+            else:
+                chosen.append(sample(own, r.seq.params, r.generator) if len(pick) else [])
+            row += len(pick)
+        on_device = ([] if best is None else [best]) + [v for v in chosen if isinstance(v, torch.Tensor)]
+        read = torch.cat(on_device) if len(on_device) > 1 else on_device[0] if on_device else None
+        values = [] if read is None else read.tolist()
+        verdicts, at = [], 0 if best is None else best.shape[0]
+        for v in chosen:
+            if isinstance(v, int):
+                verdicts.append([values[v]])
+            elif isinstance(v, torch.Tensor):
+                verdicts.append(values[at : at + v.shape[0]])
+                at += v.shape[0]
+            else:
+                verdicts.append(v)
+        return verdicts
 
     @staticmethod
     def _rows(h: torch.Tensor, picks: list[range]) -> torch.Tensor:
