@@ -203,25 +203,39 @@ def test_a_chains_verification_rows_equal_decoding_them_one_by_one_bit_for_bit(r
 # (query heads, kv heads, head size) of the real models' attention (one chunk of 16 floats per head for
 # the fixture; 4 for SmolLM2 and Qwen2.5-0.5B, 8 for Qwen2.5-1.5B), grouped 3, 7 and 6 to a kv head, and
 # 14 heads on one: row_attention.cpp takes a kv head's heads in tiles of up to 6 (head size 64) or 3
-# (128), so 7 run as 4 + 3 and 14 as 5 + 5 + 4
+# (128) at the AVX-512 level, so 7 run as 4 + 3 and 14 as 5 + 5 + 4, and in tiles of up to 3 at the AVX2
+# level (7 as 3 + 2 + 2, 14 as 3 + 3 + 3 + 3 + 2); and one head to a kv head (tiles of one)
 ATTENTION_SHAPES = {"llama3 fixture": None, "smollm2-like": (6, 2, 64), "qwen-0.5b-like": (14, 2, 64),
-                    "qwen-1.5b-like": (12, 2, 128), "14-to-1": (14, 1, 64)}
+                    "qwen-1.5b-like": (12, 2, 128), "14-to-1": (14, 1, 64), "one-to-one": (4, 4, 32)}
 
 
+@pytest.mark.parametrize("level", ["avx512", "avx2", "portable"])
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("shape", list(ATTENTION_SHAPES))
 @torch.inference_mode()
-def test_single_row_attention_matches_atens_within_float_rounding(tmp_path, shape, kv):
-    """The C++ layer's one-row attention (row_attention.cpp on AVX-512; ATen elsewhere) against the
-    Python layer's (ATen's scaled dot-product attention), on float weights so the products match:
-    decode rows and a chain's rows over a 30-token prefix, grouped-query heads of the models' shapes;
-    with a float32 cache, and a float16 one that both layers write rounded to nearest and read as float32."""
-    from specee.model.kernels import cpu_kernels
+def test_single_row_attention_matches_atens_within_float_rounding(tmp_path, shape, kv, level):
+    """The C++ layer's one-row attention (row_attention.cpp's AVX-512 or AVX2 tiles; ATen's at the
+    portable level) against the Python layer's (ATen's scaled dot-product attention), on float weights
+    so the products match: decode rows and a chain's rows over a 30-token prefix, grouped-query heads
+    of the models' shapes; with a float32 cache, and a float16 one that both layers write rounded to
+    nearest and read as float32."""
+    from specee.model import kernels as kernel_levels
     from specee.model.quant import kernel_spec
 
-    kernels = cpu_kernels()
+    kernels = kernel_levels.cpu_kernels()
     if kernels is None:
         pytest.skip("the C++ decode layer could not be built here (no compiler)")
+    if kernel_levels.LEVELS.index(level) > kernels.int4_best_level():
+        pytest.skip(f"this CPU has no {level}")
+    before = kernel_levels.use_level(level)
+    try:
+        assert kernels.row_attention_available(64) == (level != "portable")
+        _single_row_attention_against_atens(tmp_path, shape, kv, kernels, kernel_spec)
+    finally:
+        kernel_levels.use_level(before)
+
+
+def _single_row_attention_against_atens(tmp_path, shape, kv, kernels, kernel_spec):
     v = variant("llama3")
     if ATTENTION_SHAPES[shape] is not None:
         heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]

@@ -9,7 +9,7 @@
 - `row_attention.cpp`: one row's attention over its own prefix (decode rows, chain rows, a
   prefill's rows) in AVX-512, so a row's numbers never depend on what shares its step; trees and
   masked segments go to ATen. `activation.cpp`: the MLP's SiLU (the polynomial exp of
-  `exp_avx512.h`). `greedy.cpp`: each row's first maximum, the greedy choice in one call; a quantized
+  `exp_nonpositive.h`). `greedy.cpp`: each row's first maximum, the greedy choice in one call; a quantized
   head's candidates (`top_k_rows`) and their exact logits written back (`rescore_rows`).
 - `int4_matmul.cpp`: int4 weights times bf16 activations, the arithmetic of PyTorch's int4 kernel
   (which spends more time widening weights than reading them), with AVX-512 BF16 dot products

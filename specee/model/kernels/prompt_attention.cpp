@@ -23,7 +23,7 @@
 
 #include "amx_prompt.h"
 #include "amx_tiles.h"
-#include "exp_avx512.h"
+#include "exp_nonpositive.h"
 
 namespace {
 

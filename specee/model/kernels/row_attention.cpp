@@ -1,12 +1,12 @@
 // One query row's attention over its own prefix of the cache (a decode step's row, one row of a
-// chain being verified, or one row of a prefill), in AVX-512: scores, a softmax with a polynomial exp, the weighted sum of
-// values, each in a fixed order. Why: ATen's scaled dot-product attention costs ~37 us a call for
+// chain being verified, or one row of a prefill), in AVX-512 or AVX2: scores, a softmax with a
+// polynomial exp, the weighted sum of values, each in a fixed order. Why: ATen's scaled dot-product attention costs ~37 us a call for
 // one row (SmolLM2, 2026-11 AMD EPYC), 72% of a step with 8 requests, whose rows attend one at a
 // time; this takes a few. Every single-row attention of the C++ layer goes through here (decode
 // rows, chain rows, prefill rows, alone or batched), so a row's numbers never depend on what shares its step.
 // The cache may hold float16 (the default where this runs): each key and value widens on load.
 // The query heads that share a kv head go together (tile), so each key and value is read and widened
-// once for all of them; scores come 16 keys at a time through a transpose-style sum (fold).
+// once for all of them; scores come 16 keys at a time through a transpose-style sum (fold), or 4 (fold4).
 #include "row_attention.h"
 
 #include <immintrin.h>
@@ -15,7 +15,7 @@
 #include <cmath>
 #include <vector>
 
-#include "exp_avx512.h"
+#include "exp_nonpositive.h"
 #include "int4_matmul.h"
 
 namespace {
@@ -72,7 +72,7 @@ struct Prefetch {
   const char *K, *V;
   int64_t bytes;
   // the n bytes kPrefetch past byte `at` of the reading
-  SPECEE_INLINE void fetch(int64_t at, int64_t n) const {
+  __attribute__((always_inline)) inline void fetch(int64_t at, int64_t n) const {
     const int64_t from = at + kPrefetch, to = from + n;
     for (int64_t b = from; b < std::min(to, bytes); b += 64) _mm_prefetch(K + b, _MM_HINT_T1);
     for (int64_t b = std::max(from, bytes); b < std::min(to, 2 * bytes); b += 64)
@@ -150,12 +150,119 @@ SPECEE_AVX512 void tile(const float* q, int64_t q_stride, const KV* K, const KV*
       _mm512_storeu_ps(out + h * D + 16 * c, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
 }
 
-// The most heads a tile takes: H C <= 24 registers of q chunks, and as many accumulators in the value
-// pass (+ C values): SmolLM2's 3 heads a kv head in one tile, Qwen2.5-0.5B's 7 in 4 + 3, 1.5B's 6 in 3 + 3
+#define SPECEE_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define SPECEE_INLINE_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+SPECEE_INLINE_AVX2 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+SPECEE_INLINE_AVX2 __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Four keys' partial sums into one lane each, in key order
+SPECEE_INLINE_AVX2 __m128 fold4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a b c d per 128-bit half
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// tile in AVX2 (+ FMA, F16C), for CPUs without AVX-512 (AMD Zen 2-3, most desktop Intel): 16 vector
+// registers, not 32, so the scaled queries stay in L1, 4 keys' partial sums per head in registers,
+// and the value pass covers `Cols` 8-float chunks of the head at a time. head_dim = 8 C (C at run
+// time), at most 3 heads a tile. Without it every row on such a CPU went to ATen's attention: 8
+// SmolLM2 requests made 240 calls of ~37 us a step.
+template <typename KV, int H>
+SPECEE_AVX2 void tile_avx2(const float* q, int64_t q_stride, const KV* K, const KV* V, int64_t len, int64_t C,
+                           float* scores, int64_t ss, float* out) {
+  const int64_t D = 8 * C, row = D * static_cast<int64_t>(sizeof(KV));
+  const Prefetch ahead{reinterpret_cast<const char*>(K), reinterpret_cast<const char*>(V), len * row};
+  const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(static_cast<float>(D)));
+  alignas(32) float qs[H][256];
+  for (int h = 0; h < H; ++h)
+    for (int64_t c = 0; c < C; ++c)
+      _mm256_store_ps(qs[h] + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(q + h * q_stride + 8 * c), scale));
+  // a last block of fewer than 8 keys is read from a copy padded with zeros (not past the cache's rows)
+  alignas(32) KV padded[8 * 256];
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 best[H];
+  for (int h = 0; h < H; ++h) best[h] = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < len; t += 8) {
+    const int64_t n = std::min<int64_t>(8, len - t);
+    const KV* k = K + t * D;
+    if (n < 8) {
+      std::fill(std::copy(k, k + n * D, padded), padded + 8 * D, KV(0));
+      k = padded;
+    }
+    __m128 half[2][H];
+    for (int j = 0; j < 2; ++j) {
+      ahead.fetch((t + 4 * j) * row, 4 * row);
+      __m256 x[4][H];
+      for (int e = 0; e < 4; ++e)
+        for (int h = 0; h < H; ++h) x[e][h] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < C; ++c)
+        for (int e = 0; e < 4; ++e) {
+          const __m256 kc = load8(k + (4 * j + e) * D + 8 * c);  // widened once for all H heads
+          for (int h = 0; h < H; ++h) x[e][h] = _mm256_fmadd_ps(_mm256_load_ps(qs[h] + 8 * c), kc, x[e][h]);
+        }
+      for (int h = 0; h < H; ++h) half[j][h] = fold4(x[0][h], x[1][h], x[2][h], x[3][h]);
+    }
+    const __m256 dead = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(n - 1))));
+    for (int h = 0; h < H; ++h) {
+      const __m256 s = _mm256_set_m128(half[1][h], half[0][h]);  // lane j: key t + j
+      _mm256_storeu_ps(scores + h * ss + t, s);
+      best[h] = _mm256_max_ps(best[h], _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY), dead));
+    }
+  }
+  float inv[H];
+  for (int h = 0; h < H; ++h) {
+    float* sh = scores + h * ss;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(best[h]), _mm256_extractf128_ps(best[h], 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; t += 8) {
+      const __m256 live =
+          _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(len - t)), lane));
+      const __m256 e = _mm256_and_ps(live, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sh + t), m)));
+      _mm256_storeu_ps(sh + t, e);
+      total = _mm256_add_ps(total, e);
+    }
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    inv[h] = 1.0f / _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+  }
+  // the value pass: Cols chunks of each head at a time, H Cols accumulators + H probabilities + a value <= 16
+  constexpr int64_t Cols = (15 - H) / H;
+  for (int64_t c0 = 0; c0 < C; c0 += Cols) {
+    const int64_t cols = std::min(Cols, C - c0);
+    __m256 acc[H][Cols];
+    for (int h = 0; h < H; ++h)
+      for (int64_t c = 0; c < Cols; ++c) acc[h][c] = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < len; t0 += 4) {
+      if (c0 == 0) ahead.fetch((len + t0) * row, 4 * row);  // later passes find the values in cache
+      for (int64_t t = t0; t < std::min(t0 + 4, len); ++t) {
+        const KV* v = V + t * D + 8 * c0;
+        __m256 p[H];
+        for (int h = 0; h < H; ++h) p[h] = _mm256_broadcast_ss(scores + h * ss + t);
+        for (int64_t c = 0; c < Cols; ++c) {
+          if (c == cols) break;
+          const __m256 vc = load8(v + 8 * c);
+          for (int h = 0; h < H; ++h) acc[h][c] = _mm256_fmadd_ps(p[h], vc, acc[h][c]);
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int64_t c = 0; c < cols; ++c)
+        _mm256_storeu_ps(out + h * D + 8 * (c0 + c), _mm256_mul_ps(acc[h][c], _mm256_set1_ps(inv[h])));
+  }
+}
+
+// The most heads a tile takes: at AVX-512, H C <= 24 registers of q chunks, and as many accumulators
+// in the value pass (+ C values): SmolLM2's 3 heads a kv head in one tile, Qwen2.5-0.5B's 7 in 4 + 3,
+// 1.5B's 6 in 3 + 3; at AVX2, 4 keys' sums for each head: 3 heads.
 template <int C>
 constexpr int kTileHeads = std::clamp(24 / C, 1, 8);
+constexpr int kTileHeadsAvx2 = 3;
 
-// A tile of h heads (1 <= h <= kTileHeads<C>), h chosen at run time
+// A tile of h heads (1 <= h <= the level's most), h chosen at run time; head_dim = 16 C
 template <typename KV, int C, int H = kTileHeads<C>>
 void run_tile(int64_t h, const float* q, int64_t q_stride, const KV* K, const KV* V, int64_t len, float* scores,
               int64_t ss, float* out) {
@@ -164,14 +271,23 @@ void run_tile(int64_t h, const float* q, int64_t q_stride, const KV* K, const KV
   tile<KV, C, H>(q, q_stride, K, V, len, scores, ss, out);
 }
 
-// head_dim = 16 C, C chosen at run time
+template <typename KV, int H = kTileHeadsAvx2>
+void run_tile_avx2(int64_t h, const float* q, int64_t q_stride, const KV* K, const KV* V, int64_t len,
+                   int64_t head_dim, float* scores, int64_t ss, float* out) {
+  if constexpr (H > 1)
+    if (h < H) return run_tile_avx2<KV, H - 1>(h, q, q_stride, K, V, len, head_dim, scores, ss, out);
+  tile_avx2<KV, H>(q, q_stride, K, V, len, head_dim / 8, scores, ss, out);
+}
+
+// head_dim = 16 C, C chosen at run time (the AVX-512 tiles' template argument)
 template <typename KV, int C = 1>
 void attend_heads(const float* q, int64_t q_stride, const KV* K, int64_t k_stride, const KV* V, int64_t v_stride,
                   int64_t len, int64_t head_dim, int64_t heads, int64_t kv_heads, float* out) {
   if constexpr (C < 16)
     if (head_dim != 16 * C)
       return attend_heads<KV, C + 1>(q, q_stride, K, k_stride, V, v_stride, len, head_dim, heads, kv_heads, out);
-  constexpr int64_t T = kTileHeads<C>;
+  const bool wide = avx512_level();
+  const int64_t T = wide ? kTileHeads<C> : kTileHeadsAvx2;
   const int64_t ss = (len + 15) / 16 * 16;
   thread_local std::vector<float> scores;
   if (static_cast<int64_t>(scores.size()) < T * ss) scores.resize(T * ss);
@@ -181,8 +297,11 @@ void attend_heads(const float* q, int64_t q_stride, const KV* K, int64_t k_strid
   for (int64_t g = 0; g < kv_heads; ++g)
     for (int64_t i = 0, h = g * group; i < tiles; ++i) {
       const int64_t n = group / tiles + (i < group % tiles);
-      run_tile<KV, C>(n, q + h * q_stride, q_stride, K + g * k_stride, V + g * v_stride, len, scores.data(), ss,
-                      out + h * head_dim);
+      const KV *Kg = K + g * k_stride, *Vg = V + g * v_stride;
+      if (wide)
+        run_tile<KV, C>(n, q + h * q_stride, q_stride, Kg, Vg, len, scores.data(), ss, out + h * head_dim);
+      else
+        run_tile_avx2<KV>(n, q + h * q_stride, q_stride, Kg, Vg, len, head_dim, scores.data(), ss, out + h * head_dim);
       h += n;
     }
 }
@@ -195,10 +314,22 @@ SPECEE_AVX512 void to_half_avx512(const float* x, c10::Half* out, int64_t n) {
   for (; i < n; ++i) out[i] = c10::Half(x[i]);
 }
 
+SPECEE_AVX2 void to_half_avx2(const float* x, c10::Half* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) out[i] = c10::Half(x[i]);
+}
+
+// The int4 kernels at their AVX2 level (not forced down to portable), on a CPU with F16C (every AVX2 one
+// but a few early VIA)
+bool avx2_level() { return int4_level() == 1 && __builtin_cpu_supports("f16c"); }
+
 }  // namespace
 
 bool row_attention_available(int64_t head_dim) {
-  return head_dim % 16 == 0 && head_dim <= 256 && avx512_level();
+  return head_dim % 16 == 0 && head_dim <= 256 && (avx512_level() || avx2_level());
 }
 
 void row_attention(const float* q, int64_t q_stride, const float* K, int64_t k_stride, const float* V,
@@ -214,6 +345,8 @@ void row_attention(const float* q, int64_t q_stride, const c10::Half* K, int64_t
 void to_half(const float* x, c10::Half* out, int64_t n) {
   if (avx512_level()) {
     to_half_avx512(x, out, n);
+  } else if (avx2_level()) {
+    to_half_avx2(x, out, n);
   } else {
     for (int64_t i = 0; i < n; ++i) out[i] = c10::Half(x[i]);  // round to nearest even, as torch's .half()
   }

@@ -1,11 +1,11 @@
-// One query row's attention over its own prefix of the cache, AVX-512 (row_attention.cpp).
+// One query row's attention over its own prefix of the cache, AVX-512 or AVX2 (row_attention.cpp).
 #pragma once
 #include <c10/util/Half.h>
 
 #include <cstdint>
 
-// Whether row_attention runs here: AVX-512F, the int4 kernels at their AVX-512 level (SPECEE_CPU_LEVEL
-// may force a lower one, and then ATen serves every row), and a head size it takes.
+// Whether row_attention runs here: the int4 kernels at their AVX-512 level, or at their AVX2 level on a
+// CPU with F16C (SPECEE_CPU_LEVEL=portable forces ATen for every row), and a head size it takes.
 bool row_attention_available(int64_t head_dim);
 
 // q: heads x head_dim floats, head h at q + h * q_stride; keys and values of kv head g at K + g * k_stride
