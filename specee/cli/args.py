@@ -80,8 +80,8 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastes
                        help="the KV cache pool requests share: a size (512MiB, 2GB) or a token count "
                             "(default: 1 GiB, at least one full context; generate: its one request's size)")
         g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                       help="what the KV cache stores (default: auto = float16 where specee's AVX-512 attention reads "
-                            "it, as llama.cpp: half the memory and bytes read; else the compute dtype)")
+                       help="what the KV cache stores (default: auto = float16 where specee's AVX-512 or AVX2 attention "
+                            "reads it, as llama.cpp: half the memory and bytes read; else the compute dtype)")
 
 
 QUANTIZATION_HELP = ("weight-only quantized linears: int4 (groups of 32), int8 (per channel), auto (on CPU a GGUF's "

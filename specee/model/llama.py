@@ -134,7 +134,7 @@ class Transformer:
 
     def kv_dtype_for(self, choice: str) -> torch.dtype:
         """What the KV cache stores. "auto": float16 where the C++ layer's row attention reads it (an
-        AVX-512 CPU), as llama.cpp's default: half the bytes, which bound attention with 8 requests,
+        AVX-512 or AVX2 CPU), as llama.cpp's default: half the bytes, which bound attention with 8 requests,
         and twice the tokens in a memory budget; elsewhere the model's dtype (the Python layer, the
         reference, and ATen's attention, which would convert a float16 cache on every call)."""
         if choice != "auto":

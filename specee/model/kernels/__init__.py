@@ -7,8 +7,8 @@
   `layer_linear.h`: how it runs a linear in each form the runtime holds, and which rows go to AMX
   tiles; `layer_workspace.h`: the layer's intermediate rows, kept between calls.
 - `row_attention.cpp`: one row's attention over its own prefix (decode rows, chain rows, a
-  prefill's rows) in AVX-512, so a row's numbers never depend on what shares its step; trees and
-  masked segments go to ATen. `activation.cpp`: the MLP's SiLU (the polynomial exp of
+  prefill's rows) in AVX-512 or AVX2, so a row's numbers never depend on what shares its step; trees
+  and masked segments go to ATen (and every row at the portable level). `activation.cpp`: the MLP's SiLU (the polynomial exp of
   `exp_nonpositive.h`). `greedy.cpp`: each row's first maximum, the greedy choice in one call; a quantized
   head's candidates (`top_k_rows`) and their exact logits written back (`rescore_rows`).
 - `int4_matmul.cpp`: int4 weights times bf16 activations, the arithmetic of PyTorch's int4 kernel
