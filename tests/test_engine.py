@@ -270,7 +270,7 @@ def test_kv_cache_dtype_is_float16_where_row_attention_reads_it_else_the_compute
     assert quantized.engine.kv.k.dtype == quantized.model.kv_dtype
     if fast:
         assert quantized.engine.kv.capacity >= 2 * float_llm.engine.kv.capacity - 16  # one block of rounding
-        before = kernels.use_level("avx2")
+        before = kernels.use_level("portable")
         try:
             assert LLM(checkpoints[0], quantization="int4").model.kv_dtype == torch.float32  # ATen reads it there
         finally:
