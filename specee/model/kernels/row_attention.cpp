@@ -60,6 +60,16 @@ SPECEE_INLINE void dots(const __m512 (&q)[H][C], const KV* k, __m512 (&out)[H]) 
   }
 }
 
+// The block of `width` keys (rows of D) from key t on, n of them real: in the cache, or, for a last
+// block of fewer, a copy padded with zeros (not read past the cache's rows)
+template <typename KV>
+inline const KV* key_block(const KV* K, int64_t t, int64_t n, int64_t width, int64_t D, KV* padded) {
+  const KV* k = K + t * D;
+  if (n == width) return k;
+  std::fill(std::copy(k, k + n * D, padded), padded + width * D, KV(0));
+  return padded;
+}
+
 // Software prefetch kPrefetch bytes ahead of the reading, which goes through K's `bytes`, then V's:
 // with the hardware's prefetch alone, a thread read caches from memory at ~17 of the ~35 GB/s it can
 // stream (2 AMD EPYC cores, 256 MB of caches); with this at ~30. Nothing past either: bytes read for
@@ -95,16 +105,11 @@ SPECEE_AVX512 void tile(const float* q, int64_t q_stride, const KV* K, const KV*
     for (int c = 0; c < C; ++c) qv[h][c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * q_stride + 16 * c), scale);
     best[h] = _mm512_set1_ps(-INFINITY);
   }
-  // a last block of fewer than 16 keys is read from a copy padded with zeros (not past the cache's rows)
   alignas(64) KV padded[16 * D];
   const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   for (int64_t t = 0; t < len; t += 16) {
     const int64_t n = std::min<int64_t>(16, len - t);
-    const KV* k = K + t * D;
-    if (n < 16) {
-      std::fill(std::copy(k, k + n * D, padded), padded + 16 * D, KV(0));
-      k = padded;
-    }
+    const KV* k = key_block(K, t, n, 16, D, padded);
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
     __m512 x[4][H];
     for (int j = 0; j < 4; ++j) {
@@ -179,18 +184,13 @@ SPECEE_AVX2 void tile_avx2(const float* q, int64_t q_stride, const KV* K, const 
   for (int h = 0; h < H; ++h)
     for (int64_t c = 0; c < C; ++c)
       _mm256_store_ps(qs[h] + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(q + h * q_stride + 8 * c), scale));
-  // a last block of fewer than 8 keys is read from a copy padded with zeros (not past the cache's rows)
   alignas(32) KV padded[8 * 256];
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 best[H];
   for (int h = 0; h < H; ++h) best[h] = _mm256_set1_ps(-INFINITY);
   for (int64_t t = 0; t < len; t += 8) {
     const int64_t n = std::min<int64_t>(8, len - t);
-    const KV* k = K + t * D;
-    if (n < 8) {
-      std::fill(std::copy(k, k + n * D, padded), padded + 8 * D, KV(0));
-      k = padded;
-    }
+    const KV* k = key_block(K, t, n, 8, D, padded);
     __m128 half[2][H];
     for (int j = 0; j < 2; ++j) {
       ahead.fetch((t + 4 * j) * row, 4 * row);
@@ -324,7 +324,10 @@ SPECEE_AVX2 void to_half_avx2(const float* x, c10::Half* out, int64_t n) {
 
 // The int4 kernels at their AVX2 level (not forced down to portable), on a CPU with F16C (every AVX2 one
 // but a few early VIA)
-bool avx2_level() { return int4_level() == 1 && __builtin_cpu_supports("f16c"); }
+bool avx2_level() {
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  return int4_level() == 1 && f16c;
+}
 
 }  // namespace
 
