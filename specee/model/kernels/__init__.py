@@ -16,8 +16,9 @@
   (where the CPU has BF16; otherwise the AVX2 path), AVX2 FMA or plain loops: the best the CPU
   runs, or lower with SPECEE_CPU_LEVEL=avx2|portable (how the AVX2 path is tested on an AVX-512
   machine). The portable path says so on stderr.
-- `int4_q8.cpp`: the same products with the activations quantized per block of 32 to int8 and
-  integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, AVX2 or plain loops): the default
+- `int4_q8.cpp`: the same products with the activations quantized per block of 32 to int8
+  (`quantize_q8.cpp`, for the GGUF blocks' products too) and integer dot products (llama.cpp's
+  arithmetic; AVX-512 VNNI, AVX2 or plain loops): the default
   (DEFAULT_ACTIVATIONS: as close to float32 as llama.cpp or closer, and faster; BENCHMARKS.md);
   SPECEE_ACTIVATIONS=bf16 or `use_activations("bf16")` sends every int4 product to the bf16 path.
 - `amx_prompt.cpp`: a prompt's products (a prefill of 32 rows or more; int4 and GGUF blocks) on

@@ -91,8 +91,10 @@ SPECEE_INT4_AVX2 inline __m256 bf16x8_to_float(const uint16_t* p) {
 }
 #endif
 
+constexpr int64_t kQuantizeGrain = 16384;  // activations worth quantizing in a parallel region
+
 // Activations x [M, K] float32 quantized per block of 32 to int8 at `level`, rows split between
-// threads (int4_q8.cpp; kquant.cpp too): q [M, K], per block d = max|x| / 127 and d times the
+// threads (quantize_q8.cpp, for int4_q8.cpp and kquant.cpp): q [M, K], per block d = max|x| / 127 and d times the
 // block's sum of q, and, if s16 is not null, the int32 sums of q per 16 inputs [M, K / 16].
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t level, int8_t* q, float* d, float* ds,
                           int32_t* s16);

@@ -1,6 +1,6 @@
 // GGUF Q4_K (4.5 bits a weight), Q6_K (6.56), Q5_0 (5.5) and Q8_0 (8.5) run from their own blocks,
 // repacked per 16 outputs (model/quant_gguf.py) without adding a byte, times activations quantized
-// per block of 32 to int8 as int4_q8.cpp quantizes them. Why: the int4 repack (a bf16 scale and zero
+// per block of 32 to int8 as int4_q8.cpp's (quantize_q8.cpp). Why: the int4 repack (a bf16 scale and zero
 // per 32) and the int8 widening of Q5_0 and Q6_K read 15-45% more bytes per token than the file, and
 // decoding reads weights.
 //
