@@ -6,10 +6,10 @@
 // since W = (q - 8) s + z. Why: integer dot products are 64 multiply-adds per `vpdpbusd` against
 // 32 per `vdpbf16ps`, so a verification pass's extra rows cost little next to reading the weights.
 // Paths (the level int4_matmul.cpp dispatches on): avx512 `vpdpbusd` (u8 x s8); avx2 `vpmaddubsw`
-// (pairs, exact in int16 for a whole group: at most 16 x 15 x 127) then `vpmaddwd`; portable int32
-// loops. The int32 sums are the same at every level; the float32 combination differs only by FMA
-// against multiply-then-add. Up to 8 rows share each tile's unpacking; a row's operations are the
-// same whatever rows share the call.
+// (pairs of inputs, each output's two int16 sums exact over a group: at most 16 x 15 x 127) then
+// `vpmaddwd`; portable int32 loops. The int32 sums are the same at every level; the float32
+// combination differs only by FMA against multiply-then-add. Up to 8 rows share each tile's
+// unpacking; a row's operations are the same whatever rows share the call.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -29,6 +29,7 @@ struct Q8 {
   const int8_t* q;
   const float* d;
   const float* ds;
+  const int32_t* pairs;  // the AVX2 path's copy of q (pairs_avx2), [R][K / 2]; null at other levels
   int32_t q4(int64_t K, int r, int64_t i) const {  // inputs 4 i .. 4 i + 3 of row r
     int32_t v;
     std::memcpy(&v, q + r * K + 4 * i, 4);
@@ -131,73 +132,98 @@ SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const
   }
 }
 
-// Eight outputs (half a tile, 16 bytes) as block_avx512's unpack16.
-SPECEE_INT4_AVX2 inline __m256i unpack8(const uint8_t* p) {
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0F0F0F0F));
+// Rows an AVX2 call takes: 8 rows in one pass need 8 sums, 8 broadcasts and the weights, more than 16
+// registers (v1 and v2 of session 41's standalone kernel ran no faster than two passes of 4). The units
+// int4_mm_q8 hands its threads hold at most this many rows, so an 8-row step's blocks split evenly over 2
+// threads (SmolLM2's 9 blocks of 64 outputs: 18 units, not 9 as 5 against 4).
+constexpr int kAvx2Rows = 4;
+
+// Each row's quantized inputs as rows_avx2 reads them: per 4 inputs x0..x3 the 32-bit words (x0 x1 x0 x1)
+// and (x2 x3 x2 x3), so one broadcast serves a tile's low nibbles (each output's inputs 0 and 1) and one
+// its high nibbles (inputs 2 and 3). n: a multiple of 16.
+SPECEE_INT4_AVX2 void pairs_avx2(const int8_t* q, int64_t n, int32_t* pairs) {
+  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7,  //
+                                          8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + i / 2), _mm256_shuffle_epi8(v, spread));
+  }
 }
 
-// 1 to 4 rows as block_avx512, eight outputs at a time, J such halves side by side (independent chains
-// for few rows), each row's activations broadcast once for the J halves; y written, each group added into
-// it. The loop over a group's inputs stays rolled: fully unrolled (as the AVX-512 paths are, with 32
-// registers), GCC 12 kept the int16 sums on the stack and hoisted every row's broadcast, so with only 16
-// registers each step waited on a store and a reload (one AMD EPYC Zen 3 core, 576 x 3072 in cache,
-// GMAC/s: 2 rows 31-33 -> 39-51, 4 rows 32 -> 41).
-template <int R, int J = (R <= 2 ? 4 : 2)>
+// One of rows_avx2's int16 sums, k = 2 (t R + r) + h: tile t's low (h 0) or high (h 1) nibbles times row
+// r's pairs. The empty asm keeps each sum in its own register: without it GCC 12 kept some on the stack
+// or moved them between registers every step (with 16 registers).
+#define SPECEE_AVX2_SUM(k)                                                                                     \
+  if constexpr (k < 2 * R * T) {                                                                               \
+    constexpr int t = k / 2 / R, r = k / 2 % R, h = k % 2;                                                     \
+    a##k = _mm256_add_epi16(a##k, _mm256_maddubs_epi16(u[h][t], _mm256_set1_epi32(xg[r][2 * c + h])));        \
+    asm volatile("" : "+x"(a##k));                                                                             \
+  }
+
+// 1 to 4 rows, T tiles of 16 outputs side by side (2 R T <= 8 sums). A tile's 32 bytes split into low
+// nibbles (int16 lane o: inputs 0, 1 of output o) and high nibbles (inputs 2, 3): two ANDs and a shift, not
+// block_avx512's widening (4 operations a half tile). Each sum covers 16 of a group's inputs (at most
+// 16 x 15 x 127, exact in int16); unpacklo / unpackhi pair the two sums of an output and vpmaddwd adds them,
+// the int32 sums of the other levels, for outputs {0-3, 8-11} and {4-7, 12-15}: y holds each tile in that
+// order while the groups add into it and is put in order at the end (one AMD EPYC Zen 3 core, 576 x 3072 in
+// cache, GMAC/s against the widening kernel: 1 row 38-39 -> 52, 2 rows 52-54 -> 64-66, 4 rows 60-62 -> 68).
+template <int R, int T = (R <= 1 ? 4 : R <= 2 ? 2 : 1)>
 SPECEE_INT4_AVX2 void rows_avx2(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
   const int64_t G = K / kGroup;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
   zero_rows(y, R, N);
   for (int64_t g = 0; g < G; ++g) {
     prefetch_group(w, sz, g, R);
-    const int8_t* xg[R];  // each row's inputs of group g
-    for (int r = 0; r < R; ++r) xg[r] = x.q + r * K + g * kGroup;
-    for (int j0 = 0; j0 < 8; j0 += J) {
-      __m256i acc[J][R];  // int16 pair sums
-      for (int j = 0; j < J; ++j)
-        for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_si256();
-      const uint8_t* wg = w + g * (kGroup / 4) * 128 + j0 * 16;
+    const int32_t* xg[R];  // each row's pairs of group g
+    for (int r = 0; r < R; ++r) xg[r] = x.pairs + r * (K / 2) + g * (kGroup / 2);
+    for (int t0 = 0; t0 < 4; t0 += T) {
+      __m256i a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero;
+      const uint8_t* wg = w + g * (kGroup / 4) * 128 + t0 * 32;
 #pragma GCC unroll 1
       for (int c = 0; c < kGroup / 4; ++c) {
-        __m256i u[J];
-        for (int j = 0; j < J; ++j) u[j] = unpack8(wg + c * 128 + j * 16);
-        for (int r = 0; r < R; ++r) {
-          int32_t v;
-          std::memcpy(&v, xg[r] + 4 * c, 4);
-          const __m256i b = _mm256_set1_epi32(v);
-          for (int j = 0; j < J; ++j) acc[j][r] = _mm256_add_epi16(acc[j][r], _mm256_maddubs_epi16(u[j], b));
+        __m256i u[2][T];
+        for (int t = 0; t < T; ++t) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 128 + t * 32));
+          u[0][t] = _mm256_and_si256(raw, nibble);
+          u[1][t] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
         }
+        SPECEE_AVX2_SUM(0) SPECEE_AVX2_SUM(1) SPECEE_AVX2_SUM(2) SPECEE_AVX2_SUM(3)
+        SPECEE_AVX2_SUM(4) SPECEE_AVX2_SUM(5) SPECEE_AVX2_SUM(6) SPECEE_AVX2_SUM(7)
       }
-      for (int j = 0; j < J; ++j) {
-        const uint16_t* szh = sz + g * 128 + (j0 + j) * 8;
-        const __m256 s = bf16x8_to_float(szh);
-        const __m256 z8 = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16x8_to_float(szh + 64));
+      const __m256i sums[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+      for (int t = 0; t < T; ++t) {
+        const uint16_t* szt = sz + g * 128 + (t0 + t) * 16;  // bf16 widened in the same output order
+        const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szt));
+        const __m256i z16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szt + 64));
+        const __m256 s[2] = {_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, s16)),
+                             _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, s16))};
+        const __m256 z8[2] = {
+            _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[0], _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, z16))),
+            _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[1], _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, z16)))};
         for (int r = 0; r < R; ++r) {
-          float* o = y + r * N + (j0 + j) * 8;
-          const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.d[r * G + g]));
-          const __m256 a = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[j][r], ones));
-          const __m256 v = _mm256_fmadd_ps(a, sd, _mm256_loadu_ps(o));
-          _mm256_storeu_ps(o, _mm256_fmadd_ps(z8, _mm256_set1_ps(x.ds[r * G + g]), v));
+          const __m256i lo = sums[2 * (t * R + r)], hi = sums[2 * (t * R + r) + 1];
+          const __m256i acc[2] = {_mm256_madd_epi16(_mm256_unpacklo_epi16(lo, hi), ones),
+                                  _mm256_madd_epi16(_mm256_unpackhi_epi16(lo, hi), ones)};
+          for (int e = 0; e < 2; ++e) {
+            float* o = y + r * N + (t0 + t) * 16 + e * 8;
+            const __m256 sd = _mm256_mul_ps(s[e], _mm256_set1_ps(x.d[r * G + g]));
+            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[e]), sd, _mm256_loadu_ps(o));
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(z8[e], _mm256_set1_ps(x.ds[r * G + g]), v));
+          }
         }
       }
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < 4; ++t) {  // {0-3, 8-11}, {4-7, 12-15} -> 0-7, 8-15
+      float* o = y + r * N + t * 16;
+      const __m256 a = _mm256_loadu_ps(o), b = _mm256_loadu_ps(o + 8);
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(a, b, 0x20));
+      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
 }
+#undef SPECEE_AVX2_SUM
 
-// 5 to 8 rows in two passes of up to 4 over the block (the second finds its weights in cache): 8 rows in
-// one pass need 8 sums, 8 broadcasts and the weights, more than 16 registers (8 rows, the same core and
-// shape: 26-30 -> 44-58 GMAC/s). A row's operations are those of rows_avx2 whatever rows share the call.
-template <int R>
-SPECEE_INT4_AVX2 void block_avx2(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
-  if constexpr (R > 4) {
-    constexpr int first = (R + 1) / 2;
-    const int64_t G = K / kGroup;
-    rows_avx2<first>(w, sz, x, K, y, N);
-    rows_avx2<R - first>(w, sz, Q8{x.q + first * K, x.d + first * G, x.ds + first * G}, K, y + first * N, N);
-  } else {
-    rows_avx2<R>(w, sz, x, K, y, N);
-  }
-}
 #endif  // SPECEE_X86
 
 // The same int32 sums in plain loops (any CPU); multiply, then add; y written.
@@ -237,7 +263,8 @@ template <int R>
 void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
 #ifdef SPECEE_X86
   if (level == kAvx512) return block_avx512<R>(w, sz, x, K, y, N);
-  if (level == kAvx2) return block_avx2<R>(w, sz, x, K, y, N);
+  if constexpr (R <= kAvx2Rows)
+    if (level == kAvx2) return rows_avx2<R>(w, sz, x, K, y, N);
 #endif
   block_portable<R>(w, sz, x, K, y, N);
 }
@@ -257,18 +284,26 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   float* d = d_buf.at_least<float>(M * G);
   float* ds = ds_buf.at_least<float>(M * G);
   quantize_activations(xf.data_ptr<float>(), M, K, level, q, d, ds, nullptr);
+  thread_local Scratch pairs_buf;
+  int32_t* const pairs = level == kAvx2 ? pairs_buf.at_least<int32_t>(M * K / 2) : nullptr;
+#ifdef SPECEE_X86
+  if (pairs)
+    at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K),
+                     [&](int64_t r0, int64_t r1) { pairs_avx2(q + r0 * K, (r1 - r0) * K, pairs + r0 * (K / 2)); });
+#endif
   at::Tensor y = product_output(out_rows, M, N, false);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   float* out = y.data_ptr<float>();
-  // units of (64-output block, up to kMaxRows rows), block by block (its weights stay in cache over its
-  // rows): the threads split a prompt's rows, not only its blocks (SmolLM2's 9 or 15 blocks of 64 outputs
-  // left one of two threads idle a tenth of the time)
-  const int64_t chunks = (M + kMaxRows - 1) / kMaxRows;
+  // units of (64-output block, up to kMaxRows rows, kAvx2Rows at AVX2), block by block (its weights stay in
+  // cache over its rows): the threads split a prompt's rows, not only its blocks (SmolLM2's 9 or 15 blocks
+  // of 64 outputs left one of two threads idle a tenth of the time)
+  const int64_t unit = level == kAvx2 ? kAvx2Rows : kMaxRows;
+  const int64_t chunks = (M + unit - 1) / unit;
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b = u / chunks, r = u % chunks * kMaxRows, R = std::min<int64_t>(kMaxRows, M - r);
-      const Q8 rows{q + r * K, d + r * G, ds + r * G};
+      const int64_t b = u / chunks, r = u % chunks * unit, R = std::min<int64_t>(unit, M - r);
+      const Q8 rows{q + r * K, d + r * G, ds + r * G, pairs ? pairs + r * (K / 2) : nullptr};
       kRows[R](level, w + b * (K / 4) * 128, sz + b * G * 128, rows, K, out + r * N + b * 64, N);
     }
   });
