@@ -132,10 +132,10 @@ SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const
   }
 }
 
-// Rows an AVX2 call takes: 8 rows in one pass need 8 sums, 8 broadcasts and the weights, more than 16
-// registers (v1 and v2 of session 41's standalone kernel ran no faster than two passes of 4). The units
-// int4_mm_q8 hands its threads hold at most this many rows, so an 8-row step's blocks split evenly over 2
-// threads (SmolLM2's 9 blocks of 64 outputs: 18 units, not 9 as 5 against 4).
+// Rows an AVX2 call takes: a row needs two int16 sums a tile (rows_avx2), and 8 sums, the weights and a
+// broadcast fill 16 registers. The units int4_mm_q8 hands its threads hold at most this many rows, so an
+// 8-row step's blocks split evenly over 2 threads (SmolLM2's 9 blocks of 64 outputs: 18 units, not 9 as 5
+// against 4, which left a thread waiting a tenth of the step).
 constexpr int kAvx2Rows = 4;
 
 // Each row's quantized inputs as rows_avx2 reads them: per 4 inputs x0..x3 the 32-bit words (x0 x1 x0 x1)
@@ -263,7 +263,7 @@ template <int R>
 void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
 #ifdef SPECEE_X86
   if (level == kAvx512) return block_avx512<R>(w, sz, x, K, y, N);
-  if constexpr (R <= kAvx2Rows)
+  if constexpr (R <= kAvx2Rows)  // int4_mm_q8's units at AVX2 hold no more
     if (level == kAvx2) return rows_avx2<R>(w, sz, x, K, y, N);
 #endif
   block_portable<R>(w, sz, x, K, y, N);
