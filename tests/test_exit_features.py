@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specee.exit.features import FEATURE_LAYOUT, exit_features, num_features, spec_logits, spec_rows
+from specee.exit.features import FEATURE_LAYOUT, exit_features, exit_features_torch, num_features, spec_logits, spec_rows
+from specee.model.kernels import cpu_kernels
 from specee.model.llama import Transformer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -45,8 +46,18 @@ def reference_features(model, h_prev, h, spec):
     return torch.cat([logits, p, p - p_prev], -1)
 
 
+@pytest.fixture(params=["one kernel call", "torch calls"])
+def features(request):
+    """exit_features as the decode loop runs it on the CPU (the kernels' one call), and its torch form."""
+    if request.param == "torch calls":
+        return exit_features_torch
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels are not built here (no C++ compiler or ninja)")
+    return exit_features
+
+
 @torch.inference_mode()
-def test_features_equal_logit_lens_at_every_layer(model):
+def test_features_equal_logit_lens_at_every_layer(model, features):
     torch.manual_seed(0)
     V, k = model.cfg.vocab_size, 4
     ids = torch.randint(3, V, (1, 12))
@@ -58,14 +69,14 @@ def test_features_equal_logit_lens_at_every_layer(model):
     rows_1 = spec_rows(model, shared_spec)
     assert rows_n.shape == (N, k, model.cfg.hidden_size) and rows_1.shape == (k, model.cfg.hidden_size)
     for l in range(model.cfg.num_layers):
-        got = exit_features(model, hs[l], hs[l + 1], rows_n)
+        got = features(model, hs[l], hs[l + 1], rows_n)
         assert got.shape == (N, num_features(k))
         torch.testing.assert_close(got, reference_features(model, hs[l], hs[l + 1], spec_per_row), atol=1e-5, rtol=1e-5)
-        got1 = exit_features(model, hs[l], hs[l + 1], rows_1)
+        got1 = features(model, hs[l], hs[l + 1], rows_1)
         torch.testing.assert_close(got1, reference_features(model, hs[l], hs[l + 1], shared_spec.expand(N, k)),
                                    atol=1e-5, rtol=1e-5)
         # single-row decode shape
-        one = exit_features(model, hs[l][-1:], hs[l + 1][-1:], rows_1)
+        one = features(model, hs[l][-1:], hs[l + 1][-1:], rows_1)
         torch.testing.assert_close(one, got1[-1:], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(spec_logits(model, hs[l + 1], rows_n), got[:, :k], atol=1e-5, rtol=1e-5)
 

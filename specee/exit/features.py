@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..model.kernels import loaded_cpu_kernels
+
 FEATURE_LAYOUT = [
     "logits[0:k] = final_norm(h_l) . lm_head[spec]  (spec tokens in drafter order)",
     "probs[k:2k] = softmax(logits)",
@@ -54,7 +56,17 @@ def spec_logits(model, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def exit_features(model, h_prev: torch.Tensor, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[N, 3k] features for hidden states h_prev, h [N, H]; rows [k, H] (shared) or [N, k, H]."""
+    """[N, 3k] features for hidden states h_prev, h [N, H]; rows [k, H] (shared) or [N, k, H]. On the
+    CPU where the kernels are loaded, one call (model/kernels: `exit_features`) computes what
+    `exit_features_torch` does in a dozen."""
+    kernels = loaded_cpu_kernels() if h.device.type == "cpu" else None
+    if kernels is None:
+        return exit_features_torch(model, h_prev, h, rows)
+    return kernels.exit_features(h_prev, h, model.final_norm_f32, model.cfg.rms_norm_eps, rows.contiguous())
+
+
+def exit_features_torch(model, h_prev: torch.Tensor, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """exit_features in torch calls, on any device."""
     x = final_norm_f32(model, torch.stack([h_prev, h]))  # [2, N, H]: one norm call for both
     if rows.dim() == 2:
         logits = x @ rows.T  # [2, N, k]
