@@ -10,7 +10,8 @@
   prefill's rows) in AVX-512 or AVX2, so a row's numbers never depend on what shares its step; trees
   and masked segments go to ATen (and every row at the portable level). `activation.cpp`: the MLP's SiLU (the polynomial exp of
   `exp_nonpositive.h`). `greedy.cpp`: each row's first maximum, the greedy choice in one call; a quantized
-  head's candidates (`top_k_rows`) and their exact logits written back (`rescore_rows`).
+  head's candidates (`top_k_rows`) and their exact logits written back (`rescore_rows`); an early-exit
+  check's features (`exit_features`, with `rms_norm.h`, the layers' norm).
 - `int4_matmul.cpp`: int4 weights times bf16 activations, the arithmetic of PyTorch's int4 kernel
   (which spends more time widening weights than reading them), with AVX-512 BF16 dot products
   (where the CPU has BF16; otherwise the AVX2 path), AVX2 FMA or plain loops: the best the CPU

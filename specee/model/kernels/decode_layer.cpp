@@ -17,6 +17,7 @@
 #include "kquant.h"
 #include "layer_linear.h"
 #include "layer_workspace.h"
+#include "rms_norm.h"
 #include "prompt_attention.h"
 #include "row_attention.h"
 
@@ -33,22 +34,6 @@ using specee_layer::Workspace;
 // prompt's rows split between threads, a decode step's row in one
 constexpr int64_t kGrain = 16384;
 constexpr int64_t kMlpBytes = 16 << 20;  // gate/up outputs of the rows whose MLP runs in one pass
-
-// The sum of squares in 16 running partial sums (lane j takes elements j, j + 16, ...), added in
-// order at the end, the same on every CPU and whatever rows share the call. One chain of dependent
-// adds: a layer's two norms at 8 SmolLM2 rows took 10.5 us, now 7.2 (Intel Xeon).
-void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps) {
-  constexpr int64_t kLanes = 16;
-  float part[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += x[i + j] * x[i + j];
-  for (int64_t j = 0; i < n; ++i, ++j) part[j] += x[i] * x[i];
-  float ss = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) ss += part[j];
-  const float r = 1.f / std::sqrt(ss / n + static_cast<float>(eps));
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
-}
 
 // HF half rotation with the sign folded into sin (model/rope.py): out[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d],
 // in two halves so that the loops vectorize
@@ -78,46 +63,6 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t S, int64_
   at::parallel_for(0, S, std::max<int64_t>(1, kGrain / n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) rms_norm(x + r * n, w, out + r * n, n, eps);
   });
-}
-
-// exit/features.py's features of N rows in one call, its torch form's dozen small calls (about 100 us a
-// check on a Zen 3, more than a SmolLM2 layer) in a few: x = the final norm of h_prev and h (float32),
-// logits = x . rows (rows [k, H] shared or [N, k, H]) -> [N, 3k] = logits(h), softmax(logits(h)),
-// softmax(logits(h)) - softmax(logits(h_prev)). Dot products in 16 running sums, as rms_norm's squares.
-at::Tensor exit_features(const at::Tensor& h_prev, const at::Tensor& h, const at::Tensor& w, double eps,
-                         const at::Tensor& rows) {
-  TORCH_CHECK(h.dim() == 2 && h_prev.sizes() == h.sizes() && w.scalar_type() == at::kFloat && w.is_contiguous() &&
-                  w.dim() == 1 && w.size(0) == h.size(1) && rows.scalar_type() == at::kFloat && rows.is_contiguous() &&
-                  rows.size(-1) == h.size(1) && (rows.dim() == 2 || (rows.dim() == 3 && rows.size(0) == h.size(0))),
-              "exit_features: h_prev, h [N, H], a float32 norm weight [H] and float32 rows [k, H] or [N, k, H]");
-  const at::Tensor states[2] = {h_prev.to(at::kFloat).contiguous(), h.to(at::kFloat).contiguous()};
-  const int64_t N = h.size(0), H = h.size(1), k = rows.size(-2);
-  at::Tensor out = at::empty({N, 3 * k}, at::kFloat);
-  std::vector<float> x(H), p(2 * k);
-  for (int64_t n = 0; n < N; ++n) {
-    const float* r = rows.data_ptr<float>() + (rows.dim() == 3 ? n * k * H : 0);
-    float* o = out.data_ptr<float>() + n * 3 * k;
-    for (int s = 0; s < 2; ++s) {  // p[s k + j]: logit j of state s, then its softmax
-      rms_norm(states[s].data_ptr<float>() + n * H, w.data_ptr<float>(), x.data(), H, eps);
-      for (int64_t j = 0; j < k; ++j) {
-        float part[16] = {}, dot = 0.f;
-        int64_t i = 0;
-        for (; i + 16 <= H; i += 16)
-          for (int64_t e = 0; e < 16; ++e) part[e] += x[i + e] * r[j * H + i + e];
-        for (; i < H; ++i) dot += x[i] * r[j * H + i];
-        for (float v : part) dot += v;
-        p[s * k + j] = dot;
-      }
-      if (s == 1) std::copy_n(p.data() + k, k, o);
-      float* ps = p.data() + s * k;
-      const float top = *std::max_element(ps, ps + k);
-      float sum = 0.f;
-      for (int64_t j = 0; j < k; ++j) sum += ps[j] = std::exp(ps[j] - top);
-      for (int64_t j = 0; j < k; ++j) ps[j] /= sum;
-    }
-    for (int64_t j = 0; j < k; ++j) o[k + j] = p[k + j], o[2 * k + j] = p[k + j] - p[j];
-  }
-  return out;
 }
 
 }  // namespace
