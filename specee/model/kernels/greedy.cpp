@@ -177,7 +177,7 @@ at::Tensor rescore_rows(at::Tensor logits, const at::Tensor& ids, const at::Tens
 // exit/features.py's features of N rows in one call, its torch form's dozen small calls (about 100 us a
 // check on a Zen 3, more than a SmolLM2 layer) in a few: x = the final norm of h_prev and h (float32),
 // logits = x . rows (rows [k, H] shared or [N, k, H]) -> [N, 3k] = logits(h), softmax(logits(h)),
-// softmax(logits(h)) - softmax(logits(h_prev)). Dot products in 16 running sums, as rms_norm's squares.
+// softmax(logits(h)) - softmax(logits(h_prev)). Dot products as rms_norm sums its squares (sum16).
 at::Tensor exit_features(const at::Tensor& h_prev, const at::Tensor& h, const at::Tensor& w, double eps,
                          const at::Tensor& rows) {
   TORCH_CHECK(h.dim() == 2 && h_prev.sizes() == h.sizes() && w.scalar_type() == at::kFloat && w.is_contiguous() &&
@@ -187,21 +187,14 @@ at::Tensor exit_features(const at::Tensor& h_prev, const at::Tensor& h, const at
   const at::Tensor states[2] = {h_prev.to(at::kFloat).contiguous(), h.to(at::kFloat).contiguous()};
   const int64_t N = h.size(0), H = h.size(1), k = rows.size(-2);
   at::Tensor out = at::empty({N, 3 * k}, at::kFloat);
-  std::vector<float> x(H), p(2 * k);
+  thread_local std::vector<float> x, p;  // the calling thread's, kept between checks
+  x.resize(H), p.resize(2 * k);
   for (int64_t n = 0; n < N; ++n) {
     const float* r = rows.data_ptr<float>() + (rows.dim() == 3 ? n * k * H : 0);
     float* o = out.data_ptr<float>() + n * 3 * k;
     for (int s = 0; s < 2; ++s) {  // p[s k + j]: logit j of state s, then its softmax
       rms_norm(states[s].data_ptr<float>() + n * H, w.data_ptr<float>(), x.data(), H, eps);
-      for (int64_t j = 0; j < k; ++j) {
-        float part[16] = {}, dot = 0.f;
-        int64_t i = 0;
-        for (; i + 16 <= H; i += 16)
-          for (int64_t e = 0; e < 16; ++e) part[e] += x[i + e] * r[j * H + i + e];
-        for (; i < H; ++i) dot += x[i] * r[j * H + i];
-        for (float v : part) dot += v;
-        p[s * k + j] = dot;
-      }
+      for (int64_t j = 0; j < k; ++j) p[s * k + j] = sum16(x.data(), r + j * H, H);
       if (s == 1) std::copy_n(p.data() + k, k, o);
       float* ps = p.data() + s * k;
       const float top = *std::max_element(ps, ps + k);
