@@ -7,9 +7,10 @@ import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
 from conftest import SHARED, real_model_dir
-from ee_helpers import AllTokensDrafter, decoder, random_forcing, run
+from ee_helpers import AllTokensDrafter, decoder, forced, random_forcing, run
 
 from specee import LLM, SamplingParams
+from specee.engine.sequence import Sequence
 from specee.sampling import probabilities
 
 DEEP = Variant("deep4", "llama", dict(num_hidden_layers=4, num_key_value_heads=2))
@@ -198,11 +199,17 @@ def test_greedy_lossless_identical_on_smollm2(gguf_llm):
 
 class OracleCandidates(AllTokensDrafter):
     """k = 8 speculative tokens: full depth's own next token and seven fixed ones, so a forced exit is
-    taken wherever the exit layer's argmax is among them (right mostly, wrong often enough)."""
+    taken wherever the exit layer's argmax is among them (right mostly, wrong often enough).
+    continuations: full depth's tokens for each prompt (a tuple of its ids), looked up at `reset`, so
+    one decoder serves a batch of prompts (each request drafts with a fork)."""
 
-    def __init__(self, prompt_len: int, continuation: list[int], others: list[int]):
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], others: list[int]):
         super().__init__(1)
-        self.k, self.prompt_len, self.continuation, self.others = 8, prompt_len, continuation, others
+        self.k, self.continuations, self.others = 8, continuations, others
+
+    def reset(self, prompt_ids, max_new_tokens=None):
+        super().reset(prompt_ids, max_new_tokens)
+        self.prompt_len, self.continuation = len(prompt_ids), self.continuations[tuple(prompt_ids)]
 
     def propose(self):
         at = len(self._history) - self.prompt_len
@@ -231,13 +238,12 @@ def test_lossless_on_the_quantized_default_equals_full_depth_on_100_prompts(gguf
     llm.early_exit = None
     full = [o.token_ids for o in llm.generate(prompts, params)]
     others = llm.tokenizer.encode(" the of and to a in is that")[:7]
-    differ, exits, rollbacks = [], 0, 0
-    for i, ids in enumerate(prompts):
-        dec = decoder(llm, OracleCandidates(len(ids), full[i], others), kv_policy="recompute", mode="lossless",
-                      max_pending=4)
-        seq, _ = run(llm, dec, ids, params, deep_forcing(seed=i))
-        differ += [i] if seq.output_ids != full[i] else []
-        exits += sum(seq.stats.early_exit["exit_histogram"][:-1])
-        rollbacks += seq.stats.early_exit["lossless"]["rollbacks"]
+    dec = decoder(llm, OracleCandidates({tuple(p): f for p, f in zip(prompts, full)}, others),
+                  kv_policy="recompute", mode="lossless", max_pending=4)
+    seqs = [Sequence(ids, list(ids), params, llm.tokenizer, llm.eos_ids) for ids in prompts]
+    dec.generate(seqs, [forced(dec, deep_forcing(seed=i)) for i in range(len(prompts))])  # batched, as served
+    differ = [i for i, seq in enumerate(seqs) if seq.output_ids != full[i]]
+    exits = sum(sum(seq.stats.early_exit["exit_histogram"][:-1]) for seq in seqs)
+    rollbacks = sum(seq.stats.early_exit["lossless"]["rollbacks"] for seq in seqs)
     assert not differ, f"{len(differ)} of {len(prompts)} prompts differ from full depth: {differ[:10]}"
     assert exits >= 500 and rollbacks >= 20, (exits, rollbacks)
