@@ -241,7 +241,12 @@ def test_lossless_on_the_quantized_default_equals_full_depth_on_100_prompts(gguf
     dec = decoder(llm, OracleCandidates({tuple(p): f for p, f in zip(prompts, full)}, others),
                   kv_policy="recompute", mode="lossless", max_pending=4)
     seqs = [Sequence(ids, list(ids), params, llm.tokenizer, llm.eos_ids) for ids in prompts]
-    dec.generate(seqs, [forced(dec, deep_forcing(seed=i)) for i in range(len(prompts))])  # batched, as served
+    before = torch.get_num_threads()  # this engine steps on the test's thread: the LLM's count, as its own thread has
+    torch.set_num_threads(llm.threads.choice.threads)
+    try:
+        dec.generate(seqs, [forced(dec, deep_forcing(seed=i)) for i in range(len(prompts))])  # batched, as served
+    finally:
+        torch.set_num_threads(before)
     differ = [i for i, seq in enumerate(seqs) if seq.output_ids != full[i]]
     exits = sum(sum(seq.stats.early_exit["exit_histogram"][:-1]) for seq in seqs)
     rollbacks = sum(seq.stats.early_exit["lossless"]["rollbacks"] for seq in seqs)
