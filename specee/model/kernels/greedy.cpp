@@ -117,6 +117,9 @@ struct TopK {
     val[j] = v;
     idx[j] = i;
   }
+  void offer_lanes(const float* x, int64_t i, uint32_t above) {  // x[i + lane] for each lane set in `above`
+    for (; above; above &= above - 1) offer(x[i + __builtin_ctz(above)], i + __builtin_ctz(above));
+  }
 };
 
 void top_k_portable(const float* x, int64_t n, TopK& top) {
@@ -129,12 +132,7 @@ void top_k_avx512(const float* x, int64_t n, TopK& top) __attribute__((target("a
 void top_k_avx512(const float* x, int64_t n, TopK& top) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(top.floor()), _CMP_GT_OQ);
-    while (above) {
-      const int lane = __builtin_ctz(above);
-      top.offer(x[i + lane], i + lane);
-      above &= above - 1;
-    }
+    top.offer_lanes(x, i, _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(top.floor()), _CMP_GT_OQ));
   }
   for (; i < n; ++i) top.offer(x[i], i);
 }
@@ -144,12 +142,7 @@ void top_k_avx2(const float* x, int64_t n, TopK& top) __attribute__((target("avx
 void top_k_avx2(const float* x, int64_t n, TopK& top) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    int above = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(top.floor()), _CMP_GT_OQ));
-    while (above) {
-      const int lane = __builtin_ctz(above);
-      top.offer(x[i + lane], i + lane);
-      above &= above - 1;
-    }
+    top.offer_lanes(x, i, _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(top.floor()), _CMP_GT_OQ)));
   }
   for (; i < n; ++i) top.offer(x[i], i);
 }
