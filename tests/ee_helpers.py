@@ -82,8 +82,13 @@ def forced(dec: EarlyExitDecoding, rule):
     return lambda: ForcedExits(dec.model, dec.bank, dec.thresholds, rule)
 
 
+def sequence(llm, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    """A request of token ids, as `EarlyExitDecoding.generate` takes it."""
+    return Sequence(prompt_ids, list(prompt_ids), params, llm.tokenizer, llm.eos_ids)
+
+
 def run(llm, dec: EarlyExitDecoding, prompt_ids: list[int], params: SamplingParams, force=None):
-    seq = Sequence(prompt_ids, list(prompt_ids), params, llm.tokenizer, llm.eos_ids)
+    seq = sequence(llm, prompt_ids, params)
     return seq, dec.generate(seq, forced(dec, force) if force is not None else None)
 
 

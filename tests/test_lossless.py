@@ -7,10 +7,9 @@ import pytest
 import torch
 from checkpoints import Variant, make_checkpoint
 from conftest import SHARED, real_model_dir
-from ee_helpers import AllTokensDrafter, decoder, forced, random_forcing, run
+from ee_helpers import AllTokensDrafter, decoder, forced, random_forcing, run, sequence
 
 from specee import LLM, SamplingParams
-from specee.engine.sequence import Sequence
 from specee.sampling import probabilities
 
 DEEP = Variant("deep4", "llama", dict(num_hidden_layers=4, num_key_value_heads=2))
@@ -240,7 +239,7 @@ def test_lossless_on_the_quantized_default_equals_full_depth_on_100_prompts(gguf
     others = llm.tokenizer.encode(" the of and to a in is that")[:7]
     dec = decoder(llm, OracleCandidates({tuple(p): f for p, f in zip(prompts, full)}, others),
                   kv_policy="recompute", mode="lossless", max_pending=4)
-    seqs = [Sequence(ids, list(ids), params, llm.tokenizer, llm.eos_ids) for ids in prompts]
+    seqs = [sequence(llm, ids, params) for ids in prompts]
     before = torch.get_num_threads()  # this engine steps on the test's thread: the LLM's count, as its own thread has
     torch.set_num_threads(llm.threads.choice.threads)
     try:

@@ -157,13 +157,13 @@ at::Tensor top_k_rows(const at::Tensor& logits, int64_t k) {
   at::Tensor out = at::empty({rows, k}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  const int64_t level = int4_level();
+  const bool wide = avx512_level(), avx2 = int4_level() == 1;  // int4_matmul.h's levels
   TopK top(k);
   for (int64_t r = 0; r < rows; ++r) {
     top.clear();
-    if (level == 2)
+    if (wide)
       top_k_avx512(x + r * n, n, top);
-    else if (level == 1)
+    else if (avx2)
       top_k_avx2(x + r * n, n, top);
     else
       top_k_portable(x + r * n, n, top);
@@ -181,9 +181,9 @@ at::Tensor greedy_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  const int64_t level = int4_level();
+  const bool wide = avx512_level(), avx2 = int4_level() == 1;  // int4_matmul.h's levels
   for (int64_t r = 0; r < rows; ++r)
-    o[r] = level == 2 ? row_avx512(x + r * n, n) : level == 1 ? row_avx2(x + r * n, n) : row_portable(x + r * n, n);
+    o[r] = wide ? row_avx512(x + r * n, n) : avx2 ? row_avx2(x + r * n, n) : row_portable(x + r * n, n);
   return out;
 }
 
