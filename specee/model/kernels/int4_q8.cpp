@@ -6,8 +6,8 @@
 // since W = (q - 8) s + z. Why: integer dot products are 64 multiply-adds per `vpdpbusd` against
 // 32 per `vdpbf16ps`, so a verification pass's extra rows cost little next to reading the weights.
 // Paths (the level int4_matmul.cpp dispatches on): avx512 `vpdpbusd` (u8 x s8); avx2 `vpmaddubsw`
-// (pairs of inputs, each output's two int16 sums exact over a group: at most 16 x 15 x 127) then
-// `vpmaddwd`; portable int32 loops. The int32 sums are the same at every level; the float32
+// (pairs of inputs into one wrapping int16 sum per output and group, exact as sum (q - 8) x_q: rows_avx2);
+// portable int32 loops. The int32 sums are the same at every level; the float32
 // combination differs only by FMA against multiply-then-add. Up to 8 rows share each tile's
 // unpacking; a row's operations are the same whatever rows share the call.
 #include <ATen/Parallel.h>
@@ -30,6 +30,7 @@ struct Q8 {
   const float* d;
   const float* ds;
   const int32_t* pairs;  // the AVX2 path's copy of q (pairs_avx2), [R][K / 2]; null at other levels
+  const int32_t* sums;   // the AVX2 path's sums of q per 16 inputs [R][K / 16] (quantize_activations); null elsewhere
   int32_t q4(int64_t K, int r, int64_t i) const {  // inputs 4 i .. 4 i + 3 of row r
     int32_t v;
     std::memcpy(&v, q + r * K + 4 * i, 4);
@@ -138,7 +139,7 @@ SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const
   }
 }
 
-// Rows an AVX2 call takes: a row needs two int16 sums a tile (rows_avx2), and 8 sums, the weights and a
+// Rows an AVX2 call takes: a row needs one int16 sum a tile (rows_avx2), and 8 sums, the weights and a
 // broadcast fill 16 registers. The units int4_mm_q8 hands its threads hold at most this many rows, so an
 // 8-row step's blocks split evenly over 2 threads (SmolLM2's 9 blocks of 64 outputs: 18 units, not 9 as 5
 // against 4, which left a thread waiting a tenth of the step).
@@ -156,36 +157,43 @@ SPECEE_INT4_AVX2 void pairs_avx2(const int8_t* q, int64_t n, int32_t* pairs) {
   }
 }
 
-// One of rows_avx2's int16 sums, k = 2 (t R + r) + h: tile t's low (h 0) or high (h 1) nibbles times row
-// r's pairs. The empty asm keeps each sum in its own register: without it GCC 12 kept some on the stack
-// or moved them between registers every step (with 16 registers).
-#define SPECEE_AVX2_SUM(k)                                                                                     \
-  if constexpr (k < 2 * R * T) {                                                                               \
-    constexpr int t = k / 2 / R, r = k / 2 % R, h = k % 2;                                                     \
-    a##k = _mm256_add_epi16(a##k, _mm256_maddubs_epi16(u[h][t], _mm256_set1_epi32(xg[r][2 * c + h])));        \
-    asm volatile("" : "+x"(a##k));                                                                             \
+// One of rows_avx2's int16 sums, k = t R + r: tile t's low (h 0) or high (h 1) nibbles times row r's
+// pairs. The empty asm keeps each sum in its own register: without it GCC 12 kept some on the stack or
+// moved them between registers every step (with 16 registers).
+#define SPECEE_AVX2_SUM(k)                                                                      \
+  if constexpr (k < R * T) {                                                                    \
+    a##k = _mm256_add_epi16(a##k, _mm256_maddubs_epi16(u[h][k / R], b[k % R]));                 \
+    asm volatile("" : "+x"(a##k));                                                              \
   }
 
-// 1 to 4 rows, T tiles of 16 outputs side by side (2 R T <= 8 sums). A tile's 32 bytes split into low
-// nibbles (int16 lane o: inputs 0, 1 of output o) and high nibbles (inputs 2, 3): two ANDs and a shift, not
-// block_avx512's widening (4 operations a half tile). Each sum covers 16 of a group's inputs (at most
-// 16 x 15 x 127, exact in int16); unpacklo / unpackhi pair the two sums of an output and vpmaddwd adds them,
-// the int32 sums of the other levels, for outputs {0-3, 8-11} and {4-7, 12-15}: y holds each tile in that
-// order while the groups add into it and is put in order at the end (one AMD EPYC Zen 3 core, 576 x 3072 in
-// cache, GMAC/s against the widening kernel: 1 row 38-39 -> 52, 2 rows 52-54 -> 64-66, 4 rows 60-62 -> 68).
-template <int R, int T = (R <= 1 ? 4 : R <= 2 ? 2 : 1)>
+// 1 to 4 rows, T tiles of 16 outputs side by side (R T <= 8 sums). A tile's 32 bytes split into low nibbles
+// (int16 lane o: inputs 0, 1 of output o) and high nibbles (inputs 2, 3): two ANDs and a shift, not
+// block_avx512's widening. One int16 sum per row and tile covers a whole group: it starts at -8 sum_k x_q,k
+// (mod 2^16) and the pairs' products add with wrapping adds, so it ends at sum_k (q_k - 8) x_q,k, at most
+// 32 x 8 x 127 < 2^15 and so exact, though sum_k q_k x_q,k itself does not fit. Widened (even outputs, odd
+// outputs) and plus 8 sum_k x_q,k it is the int32 sum of the other levels, and the float32 combination is
+// theirs, so the outputs are the same bits. Half the sums of a pair per output (lo, hi) let 4 rows take 2
+// tiles a pass, one broadcast of a row's pair serving both (one AMD EPYC Zen 3 core, 576 x 3072 in cache,
+// against the lo/hi pairs: 4 rows 3-5%, 2 rows 11%, 1 row the same).
+template <int R, int T = (R <= 2 ? 4 : 2)>
 SPECEE_INT4_AVX2 void rows_avx2(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
   const int64_t G = K / kGroup;
-  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+  const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   zero_rows(y, R, N);
   for (int64_t g = 0; g < G; ++g) {
     prefetch_group(w, sz, g, R);
-    const int32_t* xg[R];  // each row's pairs of group g
-    float d[R], ds[R];     // and its activation step and step times sum (read once, not per tile)
-    for (int r = 0; r < R; ++r)
+    const int32_t* xg[R];        // each row's pairs of group g
+    float d[R], ds[R];           // and its activation step and step times sum (read once, not per tile)
+    __m256i start[R], eight[R];  // -8 and 8 times its sum of x_q (unsigned: NaN rows' sums are garbage)
+    for (int r = 0; r < R; ++r) {
       xg[r] = x.pairs + r * (K / 2) + g * (kGroup / 2), d[r] = x.d[r * G + g], ds[r] = x.ds[r * G + g];
+      const uint32_t sum = static_cast<uint32_t>(x.sums[r * 2 * G + 2 * g]) + static_cast<uint32_t>(x.sums[r * 2 * G + 2 * g + 1]);
+      start[r] = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(0u - 8u * sum)));
+      eight[r] = _mm256_set1_epi32(static_cast<int32_t>(8u * sum));
+    }
     for (int t0 = 0; t0 < 4; t0 += T) {
-      __m256i a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero;
+      __m256i a0 = start[0], a1 = start[1 % R], a2 = start[2 % R], a3 = start[3 % R], a4 = start[4 % R],
+              a5 = start[5 % R], a6 = start[6 % R], a7 = start[7 % R];
       const uint8_t* wg = w + g * (kGroup / 4) * 128 + t0 * 32;
 #pragma GCC unroll 1
       for (int c = 0; c < kGroup / 4; ++c) {
@@ -195,23 +203,26 @@ SPECEE_INT4_AVX2 void rows_avx2(const uint8_t* w, const uint16_t* sz, const Q8& 
           u[0][t] = _mm256_and_si256(raw, nibble);
           u[1][t] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
         }
-        SPECEE_AVX2_SUM(0) SPECEE_AVX2_SUM(1) SPECEE_AVX2_SUM(2) SPECEE_AVX2_SUM(3)
-        SPECEE_AVX2_SUM(4) SPECEE_AVX2_SUM(5) SPECEE_AVX2_SUM(6) SPECEE_AVX2_SUM(7)
+        for (int h = 0; h < 2; ++h) {
+          __m256i b[R];
+          for (int r = 0; r < R; ++r) b[r] = _mm256_set1_epi32(xg[r][2 * c + h]);
+          SPECEE_AVX2_SUM(0) SPECEE_AVX2_SUM(1) SPECEE_AVX2_SUM(2) SPECEE_AVX2_SUM(3)
+          SPECEE_AVX2_SUM(4) SPECEE_AVX2_SUM(5) SPECEE_AVX2_SUM(6) SPECEE_AVX2_SUM(7)
+        }
       }
       const __m256i sums[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
       for (int t = 0; t < T; ++t) {
-        const uint16_t* szt = sz + g * 128 + (t0 + t) * 16;  // bf16 widened in the same output order
+        const uint16_t* szt = sz + g * 128 + (t0 + t) * 16;  // bf16: even outputs the low halves of 32-bit lanes
         const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szt));
         const __m256i z16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szt + 64));
-        const __m256 s[2] = {_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, s16)),
-                             _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, s16))};
+        const __m256 s[2] = {_mm256_castsi256_ps(_mm256_slli_epi32(s16, 16)), _mm256_castsi256_ps(_mm256_and_si256(s16, high))};
         const __m256 z8[2] = {
-            _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[0], _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, z16))),
-            _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[1], _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, z16)))};
+            _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[0], _mm256_castsi256_ps(_mm256_slli_epi32(z16, 16))),
+            _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[1], _mm256_castsi256_ps(_mm256_and_si256(z16, high)))};
         for (int r = 0; r < R; ++r) {
-          const __m256i lo = sums[2 * (t * R + r)], hi = sums[2 * (t * R + r) + 1];
-          const __m256i acc[2] = {_mm256_madd_epi16(_mm256_unpacklo_epi16(lo, hi), ones),
-                                  _mm256_madd_epi16(_mm256_unpackhi_epi16(lo, hi), ones)};
+          const __m256i a = sums[t * R + r];
+          const __m256i acc[2] = {_mm256_add_epi32(_mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16), eight[r]),
+                                  _mm256_add_epi32(_mm256_srai_epi32(a, 16), eight[r])};
           for (int e = 0; e < 2; ++e) {
             float* o = y + r * N + (t0 + t) * 16 + e * 8;
             const __m256 sd = _mm256_mul_ps(s[e], _mm256_set1_ps(d[r]));
@@ -223,11 +234,12 @@ SPECEE_INT4_AVX2 void rows_avx2(const uint8_t* w, const uint16_t* sz, const Q8& 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < 4; ++t) {  // {0-3, 8-11}, {4-7, 12-15} -> 0-7, 8-15
+    for (int t = 0; t < 4; ++t) {  // even outputs, odd outputs -> 0-15
       float* o = y + r * N + t * 16;
-      const __m256 a = _mm256_loadu_ps(o), b = _mm256_loadu_ps(o + 8);
-      _mm256_storeu_ps(o, _mm256_permute2f128_ps(a, b, 0x20));
-      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(a, b, 0x31));
+      const __m256 even = _mm256_loadu_ps(o), odd = _mm256_loadu_ps(o + 8);
+      const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);  // 0-3 8-11, 4-7 12-15
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
+      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
     }
 }
 #undef SPECEE_AVX2_SUM
@@ -291,9 +303,10 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   int8_t* q = q_buf.at_least<int8_t>(M * K);
   float* d = d_buf.at_least<float>(M * G);
   float* ds = ds_buf.at_least<float>(M * G);
-  quantize_activations(xf.data_ptr<float>(), M, K, level, q, d, ds, nullptr);
-  thread_local Scratch pairs_buf;
+  thread_local Scratch pairs_buf, sums_buf;
   int32_t* const pairs = level == kAvx2 ? pairs_buf.at_least<int32_t>(M * K / 2) : nullptr;
+  int32_t* const sums = level == kAvx2 ? sums_buf.at_least<int32_t>(M * K / 16) : nullptr;
+  quantize_activations(xf.data_ptr<float>(), M, K, level, q, d, ds, sums);
 #ifdef SPECEE_X86
   if (pairs)
     at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K),
@@ -311,7 +324,8 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / chunks, r = u % chunks * unit, R = std::min<int64_t>(unit, M - r);
-      const Q8 rows{q + r * K, d + r * G, ds + r * G, pairs ? pairs + r * (K / 2) : nullptr};
+      const Q8 rows{q + r * K, d + r * G, ds + r * G, pairs ? pairs + r * (K / 2) : nullptr,
+                    sums ? sums + r * (K / 16) : nullptr};
       kRows[R](level, w + b * (K / 4) * 128, sz + b * G * 128, rows, K, out + r * N + b * 64, N);
     }
   });
