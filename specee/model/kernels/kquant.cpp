@@ -97,6 +97,8 @@ struct V {
     });
   }
   static I dot_wide(const I& acc, const I& w, const I& x) { return dot(acc, w, x); }  // any byte w: exact
+  static I dot_pairs(const I& acc, const I& w, const I& x) { return dot(acc, w, x); }  // AVX2's pair sums, summed
+  static I pairs_sum(const I& a) { return a; }
   static F fzero() { F r; for (auto& e : r.v) e = 0.f; return r; }
   static F fset1(float a) { F r; for (auto& e : r.v) e = a; return r; }
   static F cvt(const I& a) { F r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
@@ -138,6 +140,12 @@ struct V {
     return dot1(dot1(acc, _mm256_andnot_si256(top, w), x), _mm256_and_si256(top, w), x);
   }
   static I dot_wide(const I& acc, const I& w, const I& x) { return {dot_wide1(acc.a, w.a, x.a), dot_wide1(acc.b, w.b, x.b)}; }
+  // A lane's two int16 sums (inputs 0, 1 and 2, 3 of each quad) added to in int16, without dot's vpmaddwd
+  // and int32 add each quad: Q4_K's codes (0-15) against 8 quads of a block stay exact (16 x 15 x 127)
+  static I dot_pairs(const I& acc, const I& w, const I& x) {
+    return {_mm256_add_epi16(acc.a, _mm256_maddubs_epi16(w.a, x.a)), _mm256_add_epi16(acc.b, _mm256_maddubs_epi16(w.b, x.b))};
+  }
+  static I pairs_sum(const I& a) { const __m256i one = _mm256_set1_epi16(1); return {_mm256_madd_epi16(a.a, one), _mm256_madd_epi16(a.b, one)}; }
   static F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F fset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
   static F cvt(const I& x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }

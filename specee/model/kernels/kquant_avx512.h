@@ -17,6 +17,8 @@ struct V {
   static I shrv(I x, int n) { return _mm512_srl_epi32(x, _mm_cvtsi32_si128(n)); }
   static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static I dot_wide(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }  // no int16 step: exact
+  static I dot_pairs(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }  // (AVX2's int16 pair sums)
+  static I pairs_sum(I a) { return a; }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F cvt(I x) { return _mm512_cvtepi32_ps(x); }

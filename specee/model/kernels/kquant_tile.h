@@ -20,7 +20,8 @@
 
 // acc[r][j][h] += quad C of block b of tile j (of type Q) times row r's inputs; h = C / 4 for
 // Q6_K's halves, else 0 or, where few tiles and rows give few chains of dot products (H = 2), C / 4
-// as well. Q8_0's codes span a whole byte: V::dot_wide.
+// as well. Q8_0's codes span a whole byte: V::dot_wide. Q4_K's sums stay int16 pairs over the block
+// (V::dot_pairs: at AVX2 one vpmaddubsw and one add a quad, not three operations), summed by q4k_block.
 template <int R, int J, int H, int64_t Q, int C>
 SPECEE_KQ_INLINE void dot_quad(const Tiles& w, const Act& x, int64_t blk, int b, V::I (&acc)[R][J][H]) {
   constexpr int h = H == 2 ? C / 4 : 0;
@@ -32,7 +33,8 @@ SPECEE_KQ_INLINE void dot_quad(const Tiles& w, const Act& x, int64_t blk, int b,
       for (int r = 0; r < R; ++r) acc[r][j][h] = V::dot_wide(acc[r][j][h], q, xb[r]);
     } else {
       const V::I q = Q == kQ6K ? q6_quad<C>(w, j, b) : Q == kQ50 ? q5_quad<C>(w, j) : q4_quad<C>(w, j, b);
-      for (int r = 0; r < R; ++r) acc[r][j][h] = V::dot(acc[r][j][h], q, xb[r]);
+      for (int r = 0; r < R; ++r)
+        acc[r][j][h] = Q == kQ4K ? V::dot_pairs(acc[r][j][h], q, xb[r]) : V::dot(acc[r][j][h], q, xb[r]);
     }
   }
 }
@@ -77,7 +79,7 @@ SPECEE_KQ_INLINE void q4k_block(const Tiles& w, const Act& x, int64_t sb, int b,
     q4_scale_min(w, j, b, sc, m);
     const V::F mf = V::cvt(m);
     for (int r = 0; r < R; ++r) {
-      const V::I dot = H == 2 ? V::add(acc[r][j][0], acc[r][j][H - 1]) : acc[r][j][0];
+      const V::I dot = H == 2 ? V::add(V::pairs_sum(acc[r][j][0]), V::pairs_sum(acc[r][j][H - 1])) : V::pairs_sum(acc[r][j][0]);
       fa[r][j] = V::fma(V::cvt(V::mul(sc, dot)), V::fset1(x.dx(r, blk)), fa[r][j]);
       fb[r][j] = V::fma(mf, V::fset1(x.ds(r, blk)), fb[r][j]);
     }
