@@ -8,7 +8,8 @@ too (to compare a change against its parent on the same machine). The modes take
 concurrency (forward, then backward at the next), `--rounds N` times, each keeping its decoding
 (a speculation gate learns from turn to turn, as a long-lived LLM's does); each figure is the median
 of its N, and a mode's ratio to full depth the median of its N ratios within a turn: the development
-VMs' speed drifts by a quarter within minutes, which a mode's whole pass would take for its own.
+VMs' speed drifts by a quarter within minutes, which a mode's whole pass would take for its own. So
+too a concurrency's ratio to the first (its "x"): the median of the rounds' ratios.
 
     python benchmarks/bench_engine.py --model ../shared/models/smollm2-135m-instruct --prompts 8 \
         --concurrency 1 4 8 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
@@ -102,13 +103,18 @@ def main() -> None:
             turn += 1
     results = []
     for name, _ in modes:
-        row = {"mode": name, **{k: round(statistics.median(v), 2) for k, v in samples[name].items()}}
+        own = samples[name]
+        row = {"mode": name, **{k: round(statistics.median(v), 2) for k, v in own.items()}}
+        # each concurrency against the first as the median of the rounds' ratios: a round's runs are
+        # minutes apart at most, the rounds' medians of each concurrency up to the whole run
+        row["to_first_concurrency"] = {
+            f"{key}{c}": round(statistics.median(a / b for a, b in zip(own[f"{key}{c}"], own[f"{key}{args.concurrency[0]}"])), 3)
+            for key in ("c", "decode_c") for c in args.concurrency}
         if args.rounds > 1:
-            row["rounds"] = {k: [round(x, 2) for x in v] for k, v in samples[name].items()}
+            row["rounds"] = {k: [round(x, 2) for x in v] for k, v in own.items()}
         results.append(row)
         for key, what in (("c", "end to end"), ("decode_c", "decode phase")):
-            base = row[f"{key}{args.concurrency[0]}"]
-            print(f"{name}, {what}: " + ", ".join(f"c={c} {row[f'{key}{c}']} tok/s ({row[f'{key}{c}'] / base:.2f}x)"
+            print(f"{name}, {what}: " + ", ".join(f"c={c} {row[f'{key}{c}']} tok/s ({row['to_first_concurrency'][f'{key}{c}']:.2f}x)"
                                                   for c in args.concurrency))
     full = samples[modes[0][0]]
     for row in results[1:]:
