@@ -45,11 +45,28 @@ def no_model_loads(monkeypatch):
      ["num_speculative_tokens", "100000"]),
     (["serve", "--prefill-chunk", "5"], ["--prefill-chunk", "0 (whole prompts) or at least 32", "'5'"]),
     (["serve", "--max-num-batched-tokens", "0"], ["--max-num-batched-tokens"]),
+    (["serve", "--port", "99999"], ["--port", "from 1 to 65535", "'99999'"]),
+    (["serve", "--port", "0"], ["--port"]),
 ])
 def test_bad_flags_are_one_line_before_any_work(capsys, no_model_loads, argv, needles):
     code, _, err = run_cli(capsys, *argv)
     assert_one_line_error(code, err, *needles)
     assert "usage:" not in err
+
+
+@needs_models
+@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])
+def test_serve_on_a_busy_port_or_unknown_host_fails_before_the_model_loads(capsys, no_model_loads, host):
+    """uvicorn found a busy port only after start-up (its own log lines, exit status 3)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err = run_cli(capsys, "serve", "--model", str(STORIES), "--host", host, "--port", str(port))
+    assert_one_line_error(code, err, *(["--port", f"127.0.0.1:{port}", "in use"] if host == "127.0.0.1" else
+                                       ["--host", "'no-such-host.invalid'"]))
 
 
 @needs_models

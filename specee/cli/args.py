@@ -172,6 +172,13 @@ def non_negative_int(value: str) -> int:
     return _int_at_least(value, 0, "non-negative")
 
 
+def port_number(value: str) -> int:
+    n = _int_at_least(value, 1, "positive")
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {value!r}")
+    return n
+
+
 def prefill_chunk_arg(value: str) -> int:
     from ..engine.scheduling import PREFILL_CHUNK_RULE, prefill_chunk_allowed
 

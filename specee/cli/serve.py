@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 from ..engine.scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_PREFILL_CHUNK
-from .args import (CLIError, add_early_exit_args, add_model_args, add_speculative_args, load_llm, positive_int,
-                   prefill_chunk_arg, resolve_model_dir)
+from .args import (CLIError, add_early_exit_args, add_model_args, add_speculative_args, load_llm, port_number,
+                   positive_int, prefill_chunk_arg, resolve_model_dir)
 
 API_KEY_ENV = "SPECEE_API_KEY"
 
@@ -21,7 +22,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     add_speculative_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    g.add_argument("--port", type=port_number, default=8000, help="port (default: 8000)")
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
                    help=f"require `Authorization: Bearer KEY` on every route but /health and / "
                         f"(default: ${API_KEY_ENV}, else none)")
@@ -58,6 +59,22 @@ def load_warm_llm(args: argparse.Namespace):
     return llm
 
 
+def check_address(host: str, port: int) -> None:
+    """--host / --port that cannot be listened on, in one line before anything loads: uvicorn found out
+    only after start-up and said so in its own log lines (a busy port: exit status 3). Bound as uvicorn
+    binds (SO_REUSEADDR), then let go; a server that takes the port meanwhile still fails in uvicorn."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise CLIError(f"--host: {host!r} is not an address of this machine ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise CLIError(f"--port: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -71,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
     if args.ray:
         return serve_on_ray(args, app_options)
+    check_address(args.host, args.port)
     failed: list[str] = []
 
     def on_load_error(message: str) -> None:
