@@ -55,9 +55,10 @@ def test_bad_flags_are_one_line_before_any_work(capsys, no_model_loads, argv, ne
 
 
 @needs_models
-@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid", "192.0.2.1"])
 def test_serve_on_a_busy_port_or_unknown_host_fails_before_the_model_loads(capsys, no_model_loads, host):
-    """uvicorn found a busy port only after start-up (its own log lines, exit status 3)."""
+    """uvicorn found a busy port only after start-up (its own log lines, exit status 3). 192.0.2.1 (TEST-NET-1)
+    is no address of this machine."""
     import socket
 
     with socket.socket() as busy:
@@ -66,7 +67,7 @@ def test_serve_on_a_busy_port_or_unknown_host_fails_before_the_model_loads(capsy
         port = busy.getsockname()[1]
         code, _, err = run_cli(capsys, "serve", "--model", str(STORIES), "--host", host, "--port", str(port))
     assert_one_line_error(code, err, *(["--port", f"127.0.0.1:{port}", "in use"] if host == "127.0.0.1" else
-                                       ["--host", "'no-such-host.invalid'"]))
+                                       ["--host", repr(host)]))
 
 
 @needs_models

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 
@@ -62,16 +63,17 @@ def load_warm_llm(args: argparse.Namespace):
 def check_address(host: str, port: int) -> None:
     """--host / --port that cannot be listened on, in one line before anything loads: uvicorn found out
     only after start-up and said so in its own log lines (a busy port: exit status 3). Bound as uvicorn
-    binds (SO_REUSEADDR), then let go; a server that takes the port meanwhile still fails in uvicorn."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as e:
-        raise CLIError(f"--host: {host!r} is not an address of this machine ({e.strerror})") from None
-    with socket.socket(family, kind, proto) as s:
+    binds (its family rule, SO_REUSEADDR), then let go; a server that takes the port meanwhile still
+    fails in uvicorn."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(address)
+            s.bind((host, port))
+        except socket.gaierror as e:
+            raise CLIError(f"--host: {host!r} is not a known address ({e.strerror})") from None
         except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise CLIError(f"--host: {host!r} is not an address of this machine ({e.strerror})") from None
             raise CLIError(f"--port: cannot listen on {host}:{port} ({e.strerror})") from None
 
 
