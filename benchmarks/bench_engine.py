@@ -43,6 +43,11 @@ def holdout_prompts(n: int) -> list[str]:
     return mixed[:n]
 
 
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median of the turns' ratios a / b (each pair measured minutes apart at most)."""
+    return round(statistics.median(x / y for x, y in zip(a, b)), 3)
+
+
 def serve(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> tuple[float, int, float, int]:
     """Serving `prompts`, `concurrency` at a time: wall seconds and generated tokens end to end, and the
     decode phase's (a group's requests decode together after their prefills: its longest decode time)."""
@@ -107,9 +112,8 @@ def main() -> None:
         row = {"mode": name, **{k: round(statistics.median(v), 2) for k, v in own.items()}}
         # each concurrency against the first as the median of the rounds' ratios: a round's runs are
         # minutes apart at most, the rounds' medians of each concurrency up to the whole run
-        row["to_first_concurrency"] = {
-            f"{key}{c}": round(statistics.median(a / b for a, b in zip(own[f"{key}{c}"], own[f"{key}{args.concurrency[0]}"])), 3)
-            for key in ("c", "decode_c") for c in args.concurrency}
+        row["to_first_concurrency"] = {f"{key}{c}": median_ratio(own[f"{key}{c}"], own[f"{key}{args.concurrency[0]}"])
+                                       for key in ("c", "decode_c") for c in args.concurrency}
         if args.rounds > 1:
             row["rounds"] = {k: [round(x, 2) for x in v] for k, v in own.items()}
         results.append(row)
@@ -119,7 +123,7 @@ def main() -> None:
     full = samples[modes[0][0]]
     for row in results[1:]:
         own = samples[row["mode"]]
-        row["to_full_depth"] = {k: round(statistics.median(a / b for a, b in zip(own[k], full[k])), 3) for k in own}
+        row["to_full_depth"] = {k: median_ratio(own[k], full[k]) for k in own}
         for key, what in (("c", "end to end"), ("decode_c", "decode phase")):
             print(f"{row['mode']} / full depth, {what} (median of the turns' ratios): " + ", ".join(
                 f"c={c} {row['to_full_depth'][f'{key}{c}']:.2f}x" for c in args.concurrency))

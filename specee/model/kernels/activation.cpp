@@ -46,7 +46,7 @@ __attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* gate, const 
 void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
   if (avx512_level())
     silu_mul_avx512(gate, up, out, n);
-  else if (int4_level() == 1)  // the AVX2 level
+  else if (avx2_level())
     silu_mul_avx2(gate, up, out, n);
   else
     silu_mul_scalar(gate, up, out, 0, n);

@@ -157,7 +157,7 @@ at::Tensor top_k_rows(const at::Tensor& logits, int64_t k) {
   at::Tensor out = at::empty({rows, k}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  const bool wide = avx512_level(), avx2 = int4_level() == 1;  // int4_matmul.h's levels
+  const bool wide = avx512_level(), avx2 = avx2_level();
   TopK top(k);
   for (int64_t r = 0; r < rows; ++r) {
     top.clear();
@@ -181,7 +181,7 @@ at::Tensor greedy_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  const bool wide = avx512_level(), avx2 = int4_level() == 1;  // int4_matmul.h's levels
+  const bool wide = avx512_level(), avx2 = avx2_level();
   for (int64_t r = 0; r < rows; ++r)
     o[r] = wide ? row_avx512(x + r * n, n) : avx2 ? row_avx2(x + r * n, n) : row_portable(x + r * n, n);
   return out;

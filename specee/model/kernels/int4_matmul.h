@@ -13,6 +13,7 @@ int64_t int4_bf16_level();  // the level of the bf16-activation kernel: int4_lev
 // whether the kernels run their AVX-512 level (SPECEE_CPU_LEVEL may force a lower one): the other
 // AVX-512 code (row attention, SiLU, greedy, half rounding) follows it, so one setting tests every fallback
 inline bool avx512_level() { return int4_level() == 2; }
+inline bool avx2_level() { return int4_level() == 1; }  // (as lowered by SPECEE_CPU_LEVEL too)
 void int4_set_level(int64_t level);
 int64_t int4_activations();  // 0: bf16, 1: int8 (Python sets its default, kernels/__init__.py)
 void int4_set_activations(int64_t mode);

@@ -324,15 +324,15 @@ SPECEE_AVX2 void to_half_avx2(const float* x, c10::Half* out, int64_t n) {
 
 // The int4 kernels at their AVX2 level (not forced down to portable), on a CPU with F16C (every AVX2 one
 // but a few early VIA)
-bool avx2_level() {
+bool avx2_f16c_level() {
   static const bool f16c = __builtin_cpu_supports("f16c");
-  return int4_level() == 1 && f16c;
+  return avx2_level() && f16c;
 }
 
 }  // namespace
 
 bool row_attention_available(int64_t head_dim) {
-  return head_dim % 16 == 0 && head_dim <= 256 && (avx512_level() || avx2_level());
+  return head_dim % 16 == 0 && head_dim <= 256 && (avx512_level() || avx2_f16c_level());
 }
 
 void row_attention(const float* q, int64_t q_stride, const float* K, int64_t k_stride, const float* V,
@@ -348,7 +348,7 @@ void row_attention(const float* q, int64_t q_stride, const c10::Half* K, int64_t
 void to_half(const float* x, c10::Half* out, int64_t n) {
   if (avx512_level()) {
     to_half_avx512(x, out, n);
-  } else if (avx2_level()) {
+  } else if (avx2_f16c_level()) {
     to_half_avx2(x, out, n);
   } else {
     for (int64_t i = 0; i < n; ++i) out[i] = c10::Half(x[i]);  // round to nearest even, as torch's .half()
