@@ -169,11 +169,51 @@ SPECEE_INLINE_AVX2 __m128 fold4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// Columns of a head's values one AVX2 value pass covers: H Cols accumulators + H probabilities + a value <= 16
+template <int H>
+constexpr int kValueCols = (15 - H) / H;
+
+// tile_avx2's value pass over Cols (a compile-time count) 8-float chunks of each of its H heads, from chunk
+// c0: out += sum_t p_t v_t, times the head's 1 / sum. A run-time count kept the accumulators on the stack
+// (one load, FMA and store a value chunk: 3.7x FMA's time for a SmolLM2 prefill's attention).
+template <typename KV, int H, int Cols>
+SPECEE_AVX2 void values_avx2(const KV* V, int64_t len, int64_t D, int64_t c0, const float* scores, int64_t ss,
+                             const float (&inv)[H], const Prefetch& ahead, bool fetch, float* out) {
+  const int64_t row = D * static_cast<int64_t>(sizeof(KV));
+  __m256 acc[H][Cols];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < Cols; ++c) acc[h][c] = _mm256_setzero_ps();
+  for (int64_t t0 = 0; t0 < len; t0 += 4) {
+    if (fetch) ahead.fetch((len + t0) * row, 4 * row);  // later passes find the values in cache
+    for (int64_t t = t0; t < std::min(t0 + 4, len); ++t) {
+      const KV* v = V + t * D + 8 * c0;
+      __m256 p[H];
+      for (int h = 0; h < H; ++h) p[h] = _mm256_broadcast_ss(scores + h * ss + t);
+      for (int c = 0; c < Cols; ++c) {
+        const __m256 vc = load8(v + 8 * c);
+        for (int h = 0; h < H; ++h) acc[h][c] = _mm256_fmadd_ps(p[h], vc, acc[h][c]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < Cols; ++c)
+      _mm256_storeu_ps(out + h * D + 8 * (c0 + c), _mm256_mul_ps(acc[h][c], _mm256_set1_ps(inv[h])));
+}
+
+// values_avx2 for a last n < kValueCols<H> chunks, n chosen at run time
+template <typename KV, int H, int Cols = kValueCols<H> - 1>
+void run_values_avx2(int64_t n, const KV* V, int64_t len, int64_t D, int64_t c0, const float* scores, int64_t ss,
+                     const float (&inv)[H], const Prefetch& ahead, bool fetch, float* out) {
+  if constexpr (Cols > 1)
+    if (n < Cols) return run_values_avx2<KV, H, Cols - 1>(n, V, len, D, c0, scores, ss, inv, ahead, fetch, out);
+  values_avx2<KV, H, Cols>(V, len, D, c0, scores, ss, inv, ahead, fetch, out);
+}
+
 // tile in AVX2 (+ FMA, F16C), for CPUs without AVX-512 (AMD Zen 2-3, most desktop Intel): 16 vector
 // registers, not 32, so the scaled queries stay in L1, 4 keys' partial sums per head in registers,
-// and the value pass covers `Cols` 8-float chunks of the head at a time. head_dim = 8 C (C at run
-// time), at most 3 heads a tile. Without it every row on such a CPU went to ATen's attention: 8
-// SmolLM2 requests made 240 calls of ~37 us a step.
+// and the value pass covers kValueCols 8-float chunks of the head at a time (values_avx2). head_dim =
+// 8 C (C at run time), at most 3 heads a tile. Without it every row on such a CPU went to ATen's
+// attention: 8 SmolLM2 requests made 240 calls of ~37 us a step.
 template <typename KV, int H>
 SPECEE_AVX2 void tile_avx2(const float* q, int64_t q_stride, const KV* K, const KV* V, int64_t len, int64_t C,
                            float* scores, int64_t ss, float* out) {
@@ -229,30 +269,11 @@ SPECEE_AVX2 void tile_avx2(const float* q, int64_t q_stride, const KV* K, const 
     s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     inv[h] = 1.0f / _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
   }
-  // the value pass: Cols chunks of each head at a time, H Cols accumulators + H probabilities + a value <= 16
-  constexpr int64_t Cols = (15 - H) / H;
-  for (int64_t c0 = 0; c0 < C; c0 += Cols) {
-    const int64_t cols = std::min(Cols, C - c0);
-    __m256 acc[H][Cols];
-    for (int h = 0; h < H; ++h)
-      for (int64_t c = 0; c < Cols; ++c) acc[h][c] = _mm256_setzero_ps();
-    for (int64_t t0 = 0; t0 < len; t0 += 4) {
-      if (c0 == 0) ahead.fetch((len + t0) * row, 4 * row);  // later passes find the values in cache
-      for (int64_t t = t0; t < std::min(t0 + 4, len); ++t) {
-        const KV* v = V + t * D + 8 * c0;
-        __m256 p[H];
-        for (int h = 0; h < H; ++h) p[h] = _mm256_broadcast_ss(scores + h * ss + t);
-        for (int64_t c = 0; c < Cols; ++c) {
-          if (c == cols) break;
-          const __m256 vc = load8(v + 8 * c);
-          for (int h = 0; h < H; ++h) acc[h][c] = _mm256_fmadd_ps(p[h], vc, acc[h][c]);
-        }
-      }
-    }
-    for (int h = 0; h < H; ++h)
-      for (int64_t c = 0; c < cols; ++c)
-        _mm256_storeu_ps(out + h * D + 8 * (c0 + c), _mm256_mul_ps(acc[h][c], _mm256_set1_ps(inv[h])));
-  }
+  // the value pass: kValueCols chunks of each head at a time, then the rest
+  int64_t c0 = 0;
+  for (; c0 + kValueCols<H> <= C; c0 += kValueCols<H>)
+    values_avx2<KV, H, kValueCols<H>>(V, len, D, c0, scores, ss, inv, ahead, c0 == 0, out);
+  if (c0 < C) run_values_avx2<KV, H>(C - c0, V, len, D, c0, scores, ss, inv, ahead, c0 == 0, out);
 }
 
 // The most heads a tile takes: at AVX-512, H C <= 24 registers of q chunks, and as many accumulators
