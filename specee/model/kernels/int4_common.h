@@ -64,6 +64,14 @@ inline void prefetch_group(const uint8_t* w, const uint16_t* sz, int64_t g, int 
   for (int i = 0; i < 256; i += 64) prefetch_l2(sa + i);
 }
 
+// Group g of a block itself (weights and scales) into L2: a block read while its own is in cache (int4_q8.cpp)
+inline void prefetch_block_group(const uint8_t* w, const uint16_t* sz, int64_t g) {
+  const uint8_t* wa = w + g * (kGroup / 4) * 128;
+  for (int i = 0; i < (kGroup / 4) * 128; i += 64) prefetch_l2(wa + i);
+  const uint8_t* sa = reinterpret_cast<const uint8_t*>(sz + g * 128);
+  for (int i = 0; i < 256; i += 64) prefetch_l2(sa + i);
+}
+
 #ifdef SPECEE_X86
 SPECEE_INT4_AVX512 inline __m512 bf16x16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));

@@ -175,7 +175,8 @@ constexpr int kValueCols = (15 - H) / H;
 
 // tile_avx2's value pass over Cols (a compile-time count) 8-float chunks of each of its H heads, from chunk
 // c0: out += sum_t p_t v_t, times the head's 1 / sum. A run-time count kept the accumulators on the stack
-// (one load, FMA and store a value chunk: 3.7x FMA's time for a SmolLM2 prefill's attention).
+// (a load, an FMA and a store a value chunk): one row's attention over 64-900 keys, in cache, one AMD EPYC
+// Zen 3 core, SmolLM2's and the Qwen2.5s' heads, took 1.25-1.61x as long, for the same bits.
 template <typename KV, int H, int Cols>
 SPECEE_AVX2 void values_avx2(const KV* V, int64_t len, int64_t D, int64_t c0, const float* scores, int64_t ss,
                              const float (&inv)[H], const Prefetch& ahead, bool fetch, float* out) {
