@@ -44,6 +44,14 @@ inline float bf16_to_float(uint16_t b) {
 // fraction 0.76 -> 0.93). Not yet measured on the AMD EPYCs.
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
+// Group g itself of the block at w, sz (weights and scales) into L2
+inline void prefetch_block_group(const uint8_t* w, const uint16_t* sz, int64_t g) {
+  const uint8_t* wa = w + g * (kGroup / 4) * 128;
+  for (int i = 0; i < (kGroup / 4) * 128; i += 64) prefetch_l2(wa + i);
+  const uint8_t* sa = reinterpret_cast<const uint8_t*>(sz + g * 128);
+  for (int i = 0; i < 256; i += 64) prefetch_l2(sa + i);
+}
+
 // A group's weight bytes (kGroup / 4 x 128) and scales (2 x 64 bf16), kPrefetchGroups groups past
 // group g of a block, into L2: a thread's blocks are contiguous, so this runs into its next
 // block. Without it the int4 products streamed at 10-17 GB/s on an Intel Xeon whose two cores read
@@ -58,18 +66,7 @@ constexpr int kAlwaysPrefetchRows = 4;
 inline std::atomic<bool> g_prefetch{true};
 inline void prefetch_group(const uint8_t* w, const uint16_t* sz, int64_t g, int rows) {
   if (rows < kAlwaysPrefetchRows && !g_prefetch.load(std::memory_order_relaxed)) return;
-  const uint8_t* wa = w + (g + kPrefetchGroups) * (kGroup / 4) * 128;
-  for (int i = 0; i < (kGroup / 4) * 128; i += 64) prefetch_l2(wa + i);
-  const uint8_t* sa = reinterpret_cast<const uint8_t*>(sz + (g + kPrefetchGroups) * 128);
-  for (int i = 0; i < 256; i += 64) prefetch_l2(sa + i);
-}
-
-// Group g of a block itself (weights and scales) into L2: a block read while its own is in cache (int4_q8.cpp)
-inline void prefetch_block_group(const uint8_t* w, const uint16_t* sz, int64_t g) {
-  const uint8_t* wa = w + g * (kGroup / 4) * 128;
-  for (int i = 0; i < (kGroup / 4) * 128; i += 64) prefetch_l2(wa + i);
-  const uint8_t* sa = reinterpret_cast<const uint8_t*>(sz + g * 128);
-  for (int i = 0; i < 256; i += 64) prefetch_l2(sa + i);
+  prefetch_block_group(w, sz, g + kPrefetchGroups);
 }
 
 #ifdef SPECEE_X86
