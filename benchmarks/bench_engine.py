@@ -5,8 +5,8 @@ served c at a time (`LLM.generate` over c prompts, greedy, EOS ignored so every 
 max_tokens) and one at a time; it reports generated tokens per second of wall time, and each
 ratio within this one run. It uses only `LLM(...)` and `generate`, so it runs on older commits
 too (to compare a change against its parent on the same machine). The modes take turns at each
-concurrency (forward, then backward at the next), `--rounds N` times, each keeping its decoding
-(a speculation gate learns from turn to turn, as a long-lived LLM's does); each figure is the median
+concurrency (forward, then backward at the next, the order flipped each round), `--rounds N` times,
+each keeping its decoding (a speculation gate learns from turn to turn, as a long-lived LLM's does); each figure is the median
 of its N, and a mode's ratio to full depth the median of its N ratios within a turn: the development
 VMs' speed drifts by a quarter within minutes, which a mode's whole pass would take for its own. So
 too a concurrency's ratio to the first (its "x"): the median of the rounds' ratios.
@@ -88,10 +88,11 @@ def main() -> None:
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_tokens} tokens, "
           f"{args.rounds} round(s)")
     decoders: dict[str, tuple] = {}  # each mode's decoding, kept from turn to turn (its gate learns, as a served LLM's)
-    turn = 0
-    for _ in range(args.rounds):
-        for c in args.concurrency:
-            for name, config in modes if turn % 2 == 0 else modes[::-1]:
+    for rnd in range(args.rounds):
+        for ci, c in enumerate(args.concurrency):
+            # the order flips from one concurrency to the next and from round to round, so each concurrency's
+            # modes take both places (a turn counted over concurrencies gave c=1 and c=8 one order each)
+            for name, config in modes if (rnd + ci) % 2 == 0 else modes[::-1]:
                 if name in decoders:
                     llm.early_exit, llm.speculative = decoders[name]
                 elif isinstance(config, EarlyExitConfig):
@@ -105,7 +106,6 @@ def main() -> None:
                 seconds, tokens, decode_seconds, decoded = serve(llm, prompts, params, c)
                 samples[name].setdefault(f"c{c}", []).append(tokens / seconds)
                 samples[name].setdefault(f"decode_c{c}", []).append(decoded / decode_seconds)
-            turn += 1
     results = []
     for name, _ in modes:
         own = samples[name]
