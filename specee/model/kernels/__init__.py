@@ -40,7 +40,7 @@
 
 Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja), once per content of
 these sources (build.py: checkouts with identical sources share one build): about 2 minutes on 2
-cores of an Intel Xeon. Only decode_layer.cpp includes <torch/extension.h> (36 s of a file's compile
+cores of an Intel Xeon, 3-3.5 on an AMD EPYC Zen 3. Only decode_layer.cpp includes <torch/extension.h> (36 s of a file's compile
 there); the others include ATen's tensor header (3 s), which halved the build. Without a compiler,
 or with SPECEE_CPU_KERNELS=0, `cpu_kernels()` is None: every layer runs in Python and
 int4 goes through PyTorch's kernel.
@@ -182,7 +182,7 @@ def _level_from_env() -> None:
 @functools.cache
 def _build() -> ModuleType | None:
     try:
-        return build.load(PREFIX, sources(), CFLAGS, what="CPU kernels", duration="; about 2 minutes on 2 cores")
+        return build.load(PREFIX, sources(), CFLAGS, what="CPU kernels", duration="; 2-4 minutes on 2 cores")
     except Exception as e:  # no compiler or ninja, a failed build: the Python layer serves
         first = (str(e).strip().splitlines() or [""])[0][:160]
         print(f"specee: CPU kernels unavailable ({type(e).__name__}: {first}); using the Python layer",
