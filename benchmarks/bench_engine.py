@@ -5,11 +5,12 @@ served c at a time (`LLM.generate` over c prompts, greedy, EOS ignored so every 
 max_tokens) and one at a time; it reports generated tokens per second of wall time, and each
 ratio within this one run. It uses only `LLM(...)` and `generate`, so it runs on older commits
 too (to compare a change against its parent on the same machine). The modes take turns at each
-concurrency (forward, then backward at the next, the order flipped each round), `--rounds N` times,
-each keeping its decoding (a speculation gate learns from turn to turn, as a long-lived LLM's does); each figure is the median
-of its N, and a mode's ratio to full depth the median of its N ratios within a turn: the development
-VMs' speed drifts by a quarter within minutes, which a mode's whole pass would take for its own. So
-too a concurrency's ratio to the first (its "x"): the median of the rounds' ratios.
+concurrency (forward, then backward at the next, the order flipped each round), `--rounds N`
+times, each keeping its decoding (a speculation gate learns from turn to turn, as a long-lived
+LLM's does); each figure is the median of its N, and a mode's ratio to full depth the median of
+its N ratios within a turn: the development VMs' speed drifts by a quarter within minutes, which a
+mode's whole pass would take for its own. So too a concurrency's ratio to the first (its "x"): the
+median of the rounds' ratios.
 
     python benchmarks/bench_engine.py --model ../shared/models/smollm2-135m-instruct --prompts 8 \
         --concurrency 1 4 8 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
