@@ -13,12 +13,22 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "exp_nonpositive.h"
 #include "int4_matmul.h"
 
 namespace {
+
+// f(std::integral_constant<int, n>{}) for a run-time n in 1..Max: the head size, a tile's heads and a value
+// pass's columns are template arguments (so sums and accumulators stay in registers), chosen per call
+template <int Max, typename F>
+void with_count(int64_t n, F&& f) {
+  if constexpr (Max > 1)
+    if (n < Max) return with_count<Max - 1>(n, f);
+  f(std::integral_constant<int, Max>{});
+}
 
 #define SPECEE_AVX512 __attribute__((target("avx512f")))
 // inlined all the way down, so q and the partial sums stay in registers across the recursion
@@ -202,15 +212,6 @@ SPECEE_AVX2 void values_avx2(const KV* V, int64_t len, int64_t D, int64_t c0, co
       _mm256_storeu_ps(out + h * D + 8 * (c0 + c), _mm256_mul_ps(acc[h][c], _mm256_set1_ps(inv[h])));
 }
 
-// values_avx2 for a last n < kValueCols<H> chunks, n chosen at run time
-template <typename KV, int H, int Cols = kValueCols<H> - 1>
-void run_values_avx2(int64_t n, const KV* V, int64_t len, int64_t D, int64_t c0, const float* scores, int64_t ss,
-                     const float (&inv)[H], const Prefetch& ahead, bool fetch, float* out) {
-  if constexpr (Cols > 1)
-    if (n < Cols) return run_values_avx2<KV, H, Cols - 1>(n, V, len, D, c0, scores, ss, inv, ahead, fetch, out);
-  values_avx2<KV, H, Cols>(V, len, D, c0, scores, ss, inv, ahead, fetch, out);
-}
-
 // tile in AVX2 (+ FMA, F16C), for CPUs without AVX-512 (AMD Zen 2-3, most desktop Intel): 16 vector
 // registers, not 32, so the scaled queries stay in L1, 4 keys' partial sums per head in registers,
 // and the value pass covers kValueCols 8-float chunks of the head at a time (values_avx2). head_dim =
@@ -278,7 +279,10 @@ SPECEE_AVX2 void tile_avx2(const float* q, int64_t q_stride, const KV* K, const 
   int64_t c0 = 0;
   for (; c0 + kValueCols<H> <= C; c0 += kValueCols<H>)
     values_avx2<KV, H, kValueCols<H>>(V, len, D, c0, scores, ss, inv, ahead, c0 == 0, out);
-  if (c0 < C) run_values_avx2<KV, H>(C - c0, V, len, D, c0, scores, ss, inv, ahead, c0 == 0, out);
+  if (c0 < C)
+    with_count<kValueCols<H> - 1>(C - c0, [&](auto cols) {
+      values_avx2<KV, H, decltype(cols)::value>(V, len, D, c0, scores, ss, inv, ahead, c0 == 0, out);
+    });
 }
 
 // The most heads a tile takes: at AVX-512, H C <= 24 registers of q chunks, and as many accumulators
@@ -288,30 +292,10 @@ template <int C>
 constexpr int kTileHeads = std::clamp(24 / C, 1, 8);
 constexpr int kTileHeadsAvx2 = 3;
 
-// A tile of h heads (1 <= h <= the level's most), h chosen at run time; head_dim = 16 C
-template <typename KV, int C, int H = kTileHeads<C>>
-void run_tile(int64_t h, const float* q, int64_t q_stride, const KV* K, const KV* V, int64_t len, float* scores,
-              int64_t ss, float* out) {
-  if constexpr (H > 1)
-    if (h < H) return run_tile<KV, C, H - 1>(h, q, q_stride, K, V, len, scores, ss, out);
-  tile<KV, C, H>(q, q_stride, K, V, len, scores, ss, out);
-}
-
-template <typename KV, int H = kTileHeadsAvx2>
-void run_tile_avx2(int64_t h, const float* q, int64_t q_stride, const KV* K, const KV* V, int64_t len,
-                   int64_t head_dim, float* scores, int64_t ss, float* out) {
-  if constexpr (H > 1)
-    if (h < H) return run_tile_avx2<KV, H - 1>(h, q, q_stride, K, V, len, head_dim, scores, ss, out);
-  tile_avx2<KV, H>(q, q_stride, K, V, len, head_dim / 8, scores, ss, out);
-}
-
-// head_dim = 16 C, C chosen at run time (the AVX-512 tiles' template argument)
-template <typename KV, int C = 1>
+// head_dim = 16 C (C the AVX-512 tiles' template argument; with_count picks it per call)
+template <typename KV, int C>
 void attend_heads(const float* q, int64_t q_stride, const KV* K, int64_t k_stride, const KV* V, int64_t v_stride,
                   int64_t len, int64_t head_dim, int64_t heads, int64_t kv_heads, float* out) {
-  if constexpr (C < 16)
-    if (head_dim != 16 * C)
-      return attend_heads<KV, C + 1>(q, q_stride, K, k_stride, V, v_stride, len, head_dim, heads, kv_heads, out);
   const bool wide = avx512_level();
   const int64_t T = wide ? kTileHeads<C> : kTileHeadsAvx2;
   const int64_t ss = (len + 15) / 16 * 16;
@@ -324,12 +308,27 @@ void attend_heads(const float* q, int64_t q_stride, const KV* K, int64_t k_strid
     for (int64_t i = 0, h = g * group; i < tiles; ++i) {
       const int64_t n = group / tiles + (i < group % tiles);
       const KV *Kg = K + g * k_stride, *Vg = V + g * v_stride;
+      const float* qh = q + h * q_stride;
+      float* oh = out + h * head_dim;
       if (wide)
-        run_tile<KV, C>(n, q + h * q_stride, q_stride, Kg, Vg, len, scores.data(), ss, out + h * head_dim);
+        with_count<kTileHeads<C>>(n, [&](auto H) {
+          tile<KV, C, decltype(H)::value>(qh, q_stride, Kg, Vg, len, scores.data(), ss, oh);
+        });
       else
-        run_tile_avx2<KV>(n, q + h * q_stride, q_stride, Kg, Vg, len, head_dim, scores.data(), ss, out + h * head_dim);
+        with_count<kTileHeadsAvx2>(n, [&](auto H) {
+          tile_avx2<KV, decltype(H)::value>(qh, q_stride, Kg, Vg, len, head_dim / 8, scores.data(), ss, oh);
+        });
       h += n;
     }
+}
+
+// attend_heads at the head size's C (row_attention_available: head_dim = 16 C, C <= 16)
+template <typename KV>
+void attend(const float* q, int64_t q_stride, const KV* K, int64_t k_stride, const KV* V, int64_t v_stride,
+            int64_t len, int64_t head_dim, int64_t heads, int64_t kv_heads, float* out) {
+  with_count<16>(head_dim / 16, [&](auto C) {
+    attend_heads<KV, decltype(C)::value>(q, q_stride, K, k_stride, V, v_stride, len, head_dim, heads, kv_heads, out);
+  });
 }
 
 SPECEE_AVX512 void to_half_avx512(const float* x, c10::Half* out, int64_t n) {
@@ -363,12 +362,12 @@ bool row_attention_available(int64_t head_dim) {
 
 void row_attention(const float* q, int64_t q_stride, const float* K, int64_t k_stride, const float* V,
                    int64_t v_stride, int64_t len, int64_t head_dim, int64_t heads, int64_t kv_heads, float* out) {
-  attend_heads(q, q_stride, K, k_stride, V, v_stride, len, head_dim, heads, kv_heads, out);
+  attend(q, q_stride, K, k_stride, V, v_stride, len, head_dim, heads, kv_heads, out);
 }
 
 void row_attention(const float* q, int64_t q_stride, const c10::Half* K, int64_t k_stride, const c10::Half* V,
                    int64_t v_stride, int64_t len, int64_t head_dim, int64_t heads, int64_t kv_heads, float* out) {
-  attend_heads(q, q_stride, K, k_stride, V, v_stride, len, head_dim, heads, kv_heads, out);
+  attend(q, q_stride, K, k_stride, V, v_stride, len, head_dim, heads, kv_heads, out);
 }
 
 void to_half(const float* x, c10::Half* out, int64_t n) {
