@@ -336,14 +336,15 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   // of 64 outputs left one of two threads idle a tenth of the time)
   const int64_t unit = level == kAvx2 ? kAvx2Rows : kMaxRows;
   const int64_t chunks = (M + unit - 1) / unit;
+  const auto block = [&](int64_t b) { return Next{w + b * (K / 4) * 128, sz + b * G * 128}; };  // its weights, scales
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / chunks, r = u % chunks * unit, R = std::min<int64_t>(unit, M - r);
       const Q8 rows{q + r * K, d + r * G, ds + r * G, pairs ? pairs + r * (K / 2) : nullptr,
                     sums ? sums + r * (K / 16) : nullptr};
       const bool streams_next = chunks > 1 && u % chunks == chunks - 1 && (b + 1) * chunks < u1;
-      const Next next = streams_next ? Next{w + (b + 1) * (K / 4) * 128, sz + (b + 1) * G * 128} : Next{nullptr, nullptr};
-      kRows[R](level, w + b * (K / 4) * 128, sz + b * G * 128, rows, K, out + r * N + b * 64, N, next);
+      const Next own = block(b), next = streams_next ? block(b + 1) : Next{nullptr, nullptr};
+      kRows[R](level, own.w, own.sz, rows, K, out + r * N + b * 64, N, next);
     }
   });
   return y;
