@@ -40,8 +40,9 @@
 
 Compiled on first use (torch.utils.cpp_extension: a C++ compiler and ninja), once per content of
 these sources (build.py: checkouts with identical sources share one build): about 2 minutes on 2
-cores of an Intel Xeon, 3-3.5 on an AMD EPYC Zen 3. Only decode_layer.cpp includes <torch/extension.h> (36 s of a file's compile
-there); the others include ATen's tensor header (3 s), which halved the build. Without a compiler,
+cores of an Intel Xeon, 3-3.5 on an AMD EPYC Zen 3. Only decode_layer.cpp includes
+<torch/extension.h> (36 s of a file's compile there); the others include ATen's tensor header (3 s),
+which halved the build. Without a compiler,
 or with SPECEE_CPU_KERNELS=0, `cpu_kernels()` is None: every layer runs in Python and
 int4 goes through PyTorch's kernel.
 """
