@@ -38,12 +38,12 @@ struct Q8 {
   }
 };
 
-// The block a unit streams into L2 while it works from cache: the next block of the thread's units when this
-// unit is the last of several over its own block (already read by the first), else none (w null). Why: an
-// 8-row step's first 4-row unit of a block read it from memory at 4 rows' pace and the second read nothing,
-// so the reads came in bursts at the memory's limit (SmolLM2 Q4_1, 2 AMD EPYC Zen 3 cores: 8 rows over
-// every layer 12.9 ms from memory, 11.4 from cache).
-struct Next {
+// A 64-output block's weights and scales. rows_avx2's `next`: the block a unit streams into L2 while it works
+// from cache, the next block of the thread's units when this unit is the last of several over its own block
+// (already read by the first), else none (w null). Why: an 8-row step's first 4-row unit of a block read it
+// from memory at 4 rows' pace and the second read nothing, so the reads came in bursts at the memory's limit
+// (SmolLM2 Q4_1, 2 AMD EPYC Zen 3 cores: 8 rows over every layer 12.9 ms from memory, 11.4 from cache).
+struct Block {
   const uint8_t* w;
   const uint16_t* sz;
 };
@@ -187,7 +187,7 @@ SPECEE_INT4_AVX2 void pairs_avx2(const int8_t* q, int64_t n, int32_t* pairs) {
 // against the lo/hi pairs: 4 rows 3-5%, 2 rows 11%, 1 row the same).
 template <int R, int T = (R <= 2 ? 4 : 2)>
 SPECEE_INT4_AVX2 void rows_avx2(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N,
-                                const Next& next) {
+                                const Block& next) {
   const int64_t G = K / kGroup;
   const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   zero_rows(y, R, N);
@@ -295,7 +295,7 @@ void block_portable(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K
 
 template <int R>
 void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N,
-             const Next& next) {
+             const Block& next) {
 #ifdef SPECEE_X86
   if (level == kAvx512) return block_avx512<R>(w, sz, x, K, y, N);
   if constexpr (R <= kAvx2Rows)  // int4_mm_q8's units at AVX2 hold no more
@@ -336,14 +336,14 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   // of 64 outputs left one of two threads idle a tenth of the time)
   const int64_t unit = level == kAvx2 ? kAvx2Rows : kMaxRows;
   const int64_t chunks = (M + unit - 1) / unit;
-  const auto block = [&](int64_t b) { return Next{w + b * (K / 4) * 128, sz + b * G * 128}; };  // its weights, scales
+  const auto block = [&](int64_t b) { return Block{w + b * (K / 4) * 128, sz + b * G * 128}; };
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / chunks, r = u % chunks * unit, R = std::min<int64_t>(unit, M - r);
       const Q8 rows{q + r * K, d + r * G, ds + r * G, pairs ? pairs + r * (K / 2) : nullptr,
                     sums ? sums + r * (K / 16) : nullptr};
       const bool streams_next = chunks > 1 && u % chunks == chunks - 1 && (b + 1) * chunks < u1;
-      const Next own = block(b), next = streams_next ? block(b + 1) : Next{nullptr, nullptr};
+      const Block own = block(b), next = streams_next ? block(b + 1) : Block{nullptr, nullptr};
       kRows[R](level, own.w, own.sz, rows, K, out + r * N + b * 64, N, next);
     }
   });
