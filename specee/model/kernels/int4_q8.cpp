@@ -172,9 +172,17 @@ SPECEE_INT4_AVX2 void pairs_avx2(const int8_t* q, int64_t n, int32_t* pairs) {
 // moved them between registers every step (with 16 registers).
 #define SPECEE_AVX2_SUM(k)                                                                      \
   if constexpr (k < R * T) {                                                                    \
-    a##k = _mm256_add_epi16(a##k, _mm256_maddubs_epi16(u[h][k / R], b[k % R]));                 \
+    a##k = _mm256_add_epi16(a##k, _mm256_maddubs_epi16(u[k / R][h], b[k % R]));                 \
     asm volatile("" : "+x"(a##k));                                                              \
   }
+
+// A tile's 32 bytes at p split into its low nibbles (u[0], int16 lane o: inputs 0, 1 of output o) and its
+// high nibbles (u[1]: inputs 2, 3), one per byte
+SPECEE_INT4_AVX2 inline void nibbles(const uint8_t* p, __m256i (&u)[2]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  u[0] = _mm256_and_si256(raw, nibble);
+  u[1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+}
 
 // A block's tiles unpacked for rows_avx2<R, true>: per 32 bytes of w (a tile's 4 inputs), its low nibbles'
 // 32 bytes, then its high nibbles'. int4_mm_q8 unpacks a block once for all of a prompt's 4-row units over
@@ -183,11 +191,11 @@ SPECEE_INT4_AVX2 void pairs_avx2(const int8_t* q, int64_t n, int32_t* pairs) {
 // new build alternating: 19.7 -> 17.5 ms (median of 10 pairs' ratios 1.09x), the same bits. At 8 rows (2 units
 // a block) unpacking first cost more than it saved (one core: 0.87-0.92x), so decode steps unpack as they go.
 SPECEE_INT4_AVX2 void unpack_avx2(const uint8_t* w, int64_t K, uint8_t* tiles) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t i = 0; i < (K / 4) * 128; i += 32) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(tiles + 2 * i), _mm256_and_si256(raw, nibble));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(tiles + 2 * i + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble));
+    __m256i u[2];
+    nibbles(w + i, u);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tiles + 2 * i), u[0]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tiles + 2 * i + 32), u[1]);
   }
 }
 
@@ -205,7 +213,7 @@ template <int R, bool Unpacked, int T = (R <= 2 ? 4 : 2)>
 SPECEE_INT4_AVX2 void rows_avx2(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N,
                                 const Block& next, const uint8_t* tiles) {
   const int64_t G = K / kGroup;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   zero_rows(y, R, N);
   for (int64_t g = 0; g < G; ++g) {
     if (next.w)
@@ -227,16 +235,14 @@ SPECEE_INT4_AVX2 void rows_avx2(const uint8_t* w, const uint16_t* sz, const Q8& 
       const int64_t at = g * (kGroup / 4) * 128 + t0 * 32;  // the pass's first tile in w (in tiles: twice that)
 #pragma GCC unroll 1
       for (int c = 0; c < kGroup / 4; ++c) {
-        __m256i u[2][T];
+        __m256i u[T][2];  // tile t's low (h 0) and high (h 1) nibbles
         for (int t = 0; t < T; ++t) {
           if constexpr (Unpacked) {
             const uint8_t* p = tiles + 2 * (at + c * 128 + t * 32);
-            u[0][t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
-            u[1][t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32));
+            u[t][0] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+            u[t][1] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32));
           } else {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + at + c * 128 + t * 32));
-            u[0][t] = _mm256_and_si256(raw, nibble);
-            u[1][t] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+            nibbles(w + at + c * 128 + t * 32, u[t]);
           }
         }
         for (int h = 0; h < 2; ++h) {
