@@ -188,8 +188,8 @@ SPECEE_INT4_AVX2 inline void nibbles(const uint8_t* p, __m256i (&u)[2]) {
 // 32 bytes, then its high nibbles'. int4_mm_q8 unpacks a block once for all of a prompt's 4-row units over
 // it, where each unit unpacked it again (an AND, a shift and an AND a tile and 4 inputs, beside 8
 // multiply-adds and 8 adds). SmolLM2's four products of a layer at 512 rows, 2 AMD EPYC Zen 3 cores, old and
-// new build alternating: 19.7 -> 17.5 ms (median of 10 pairs' ratios 1.09x), the same bits. At 8 rows (2 units
-// a block) unpacking first cost more than it saved (one core: 0.87-0.92x), so decode steps unpack as they go.
+// new build alternating: 19.7 -> 17.5 ms (median of 10 pairs' ratios 1.09x), the same bits. With few units a
+// block unpacking first costs more than it saves (kUnpackUnits).
 SPECEE_INT4_AVX2 void unpack_avx2(const uint8_t* w, int64_t K, uint8_t* tiles) {
   for (int64_t i = 0; i < (K / 4) * 128; i += 32) {
     __m256i u[2];
@@ -334,9 +334,11 @@ void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const Q8& x, i
 }
 
 constexpr int kMaxRows = 8;  // a verification pass's rows share each tile's unpacking
-// unpack_avx2 runs where a block has at least this many 4-row units (a prompt's part, not a decode step's 8 rows)
-// and its tiles fit L2 beside the activations (K x 64 bytes: SmolLM2's 36 and 96 KB)
-constexpr int64_t kUnpackUnits = 3;
+// unpack_avx2 runs where a block has at least this many 4-row units (a prompt's part, not a decode step or a
+// verification pass of up to 20 rows) and its tiles fit L2 beside the activations (K x 64 bytes: SmolLM2's 36
+// and 96 KB). One AMD EPYC Zen 3 core, SmolLM2's shapes, unpacking first against as they go: 12-16 rows (3-4
+// units) 0.92-0.97x, 20 rows 0.94-1.02x, 24 rows 1.00-1.09x, 32 rows 1.02-1.05x, 512 rows 1.06-1.21x.
+constexpr int64_t kUnpackUnits = 6;
 constexpr int64_t kUnpackMaxInputs = 4096;
 constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr,     rows_at<1>, rows_at<2>, rows_at<3>, rows_at<4>,
                                                        rows_at<5>, rows_at<6>, rows_at<7>, rows_at<8>};
