@@ -340,6 +340,14 @@ constexpr int kMaxRows = 8;  // a verification pass's rows share each tile's unp
 // units) 0.92-0.97x, 20 rows 0.94-1.02x, 24 rows 1.00-1.09x, 32 rows 1.02-1.05x, 512 rows 1.06-1.21x.
 constexpr int64_t kUnpackUnits = 6;
 constexpr int64_t kUnpackMaxInputs = 4096;
+
+// The calling thread's buffer for one block's unpacked tiles (K x 64 bytes), kept between calls; reached only
+// where a product unpacks, so a decode step's products do not touch it
+uint8_t* thread_tiles(int64_t K) {
+  thread_local Scratch buf;
+  return buf.at_least<uint8_t>(K * 64);
+}
+
 constexpr decltype(&rows_at<1>) kRows[kMaxRows + 1] = {nullptr,     rows_at<1>, rows_at<2>, rows_at<3>, rows_at<4>,
                                                        rows_at<5>, rows_at<6>, rows_at<7>, rows_at<8>};
 
@@ -374,8 +382,7 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   const bool unpack = level == kAvx2 && chunks >= kUnpackUnits && K <= kUnpackMaxInputs;
   const auto block = [&](int64_t b) { return Block{w + b * (K / 4) * 128, sz + b * G * 128}; };
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
-    thread_local Scratch tiles_buf;  // this thread's block, unpacked
-    uint8_t* const tiles = unpack ? tiles_buf.at_least<uint8_t>(K * 64) : nullptr;
+    uint8_t* const tiles = unpack ? thread_tiles(K) : nullptr;
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / chunks, r = u % chunks * unit, R = std::min<int64_t>(unit, M - r);
       const Q8 rows{q + r * K, d + r * G, ds + r * G, pairs ? pairs + r * (K / 2) : nullptr,
