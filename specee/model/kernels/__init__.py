@@ -27,9 +27,11 @@
   activations rounded to bf16, float32 sums; 2-3x the int8 kernels on a prompt's rows.
   `prompt_attention.cpp`: that prompt's attention on the tiles too (bf16 queries, keys, values and
   probabilities, float32 sums; a chunked prefill's later part reads the earlier parts' keys from the
-  cache with the same bits). `amx_tiles.h`: what the two share. SPECEE_AMX=0 or
-  `use_prompt_tiles(False)` keeps prompts on the int8 kernels and row_attention.cpp (so does a
-  SPECEE_CPU_LEVEL below avx512).
+  cache with the same bits). `amx_tiles.h`: what the two share.
+  `prompt_attention_avx2.cpp`: at the AVX2 level, such a prompt's attention in float32 (keys widened
+  once per call, tiles of 6 query rows' heads x 16 keys; 1.8x row_attention.cpp's time on the
+  769-token bench prompt, AMD EPYC Zen 3). SPECEE_AMX=0 or `use_prompt_tiles(False)` keeps prompts on
+  the int8 kernels and row_attention.cpp (so does the AVX-512 level without AMX, and the portable one).
 - `kquant.cpp` (+ `kquant_tile.h`; the blocks' codes and scales in `kquant_codes.h`, which
   amx_prompt.cpp reads them through too): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.
@@ -138,11 +140,12 @@ def use_activations(name: str) -> str:
 
 
 def use_prompt_tiles(on: bool) -> bool:
-    """Run prompts' products and attention on AMX tiles where the CPU has them (on), or on the int8
-    kernels and row_attention.cpp; returns whether they ran on tiles before."""
+    """Run a prompt's rows together (on): its products and attention on AMX tiles where the CPU has
+    them, its attention in prompt_attention_avx2.cpp at the AVX2 level; or (off) on the int8 kernels
+    and row_attention.cpp. Returns the setting before."""
     _amx_from_env()  # first, so that it does not undo this choice later
     kernels = _build()
-    before = kernels.amx_enabled()
+    before = kernels.prompt_tiles_on()
     kernels.amx_set_enabled(on)
     return before
 

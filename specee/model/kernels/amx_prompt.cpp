@@ -284,7 +284,9 @@ bool amx_available() {
 #endif
 }
 
-bool amx_enabled() { return g_enabled.load() && amx_available() && int4_level() == specee_int4::kAvx512; }
+bool prompt_tiles_on() { return g_enabled.load(); }
+
+bool amx_enabled() { return prompt_tiles_on() && amx_available() && int4_level() == specee_int4::kAvx512; }
 
 void amx_set_enabled(bool on) { g_enabled.store(on); }
 

@@ -25,7 +25,7 @@ namespace {
 
 using specee_layer::Linear;
 using specee_layer::Run;
-using specee_layer::prompt_on_tiles;
+using specee_layer::kTilePromptRows;
 using specee_layer::row_runs;
 using specee_layer::workspace;
 using specee_layer::Workspace;
@@ -126,8 +126,8 @@ class DecodeLayer {
       return rows_alone && (causal[g] || chain[g] || (rows[g] == 1 && !masks[g].numel()));
     };
     const bool tiles_attend = prompt_attention_available(D);  // (implies rows_alone)
-    const auto on_tiles = [&](size_t g) {  // a prompt whose rows attend together on AMX tiles
-      return tiles_attend && prompt_on_tiles(causal[g], rows[g]) && k[g].scalar_type() == at::kHalf;
+    const auto on_tiles = [&](size_t g) {  // a prompt whose rows attend together (prompt_attention.h)
+      return tiles_attend && causal[g] && rows[g] >= kTilePromptRows && k[g].scalar_type() == at::kHalf;
     };
     // RoPE and the K/V writes of every segment first; then the rows that attend alone over their own
     // prefix (decode rows, chains, a prefill's rows: row_attention.cpp) in parallel, each by one thread,
@@ -364,6 +364,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind("kquant_mm", &kquant_mm);
   m.def("amx_available", &amx_available);
   m.def("amx_enabled", &amx_enabled);
+  m.def("prompt_tiles_on", &prompt_tiles_on);
   m.def("amx_set_enabled", &amx_set_enabled);
   m.def("kquant_check", &kquant_check);
   m.def("kquant_repack", [](const at::Tensor& blocks, int64_t qtype, int64_t K, at::Tensor out, int64_t at) {

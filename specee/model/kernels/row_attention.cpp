@@ -347,14 +347,12 @@ SPECEE_AVX2 void to_half_avx2(const float* x, c10::Half* out, int64_t n) {
   for (; i < n; ++i) out[i] = c10::Half(x[i]);
 }
 
-// The int4 kernels at their AVX2 level (not forced down to portable), on a CPU with F16C (every AVX2 one
-// but a few early VIA)
+}  // namespace
+
 bool avx2_f16c_level() {
   static const bool f16c = __builtin_cpu_supports("f16c");
   return avx2_level() && f16c;
 }
-
-}  // namespace
 
 bool row_attention_available(int64_t head_dim) {
   return head_dim % 16 == 0 && head_dim <= 256 && (avx512_level() || avx2_f16c_level());

@@ -4,6 +4,10 @@
 
 #include <cstdint>
 
+// The int4 kernels at their AVX2 level (not forced down to portable), on a CPU with F16C (every AVX2 one
+// but a few early VIA)
+bool avx2_f16c_level();
+
 // Whether row_attention runs here: the int4 kernels at their AVX-512 level, or at their AVX2 level on a
 // CPU with F16C (SPECEE_CPU_LEVEL=portable forces ATen for every row), and a head size it takes.
 bool row_attention_available(int64_t head_dim);
