@@ -140,7 +140,7 @@ SPECEE_AVX2 void tile(const float* q, int64_t start, int64_t S, int64_t D, const
                       const float* kt, const c10::Half* Vh, float* out, int64_t out_stride, float* work) {
   const int64_t len = start + r[V - 1] + 1;  // the longest prefix of the tile (rows come in order)
   const int64_t n = (len + kKeys - 1) / kKeys * kKeys;
-  const float *qv[V], *pv[V];
+  const float* qv[V];
   float *sv[V], *ov[V], inv[V];
   const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(static_cast<float>(D)));
   for (int v = 0; v < V; ++v) {
@@ -149,12 +149,11 @@ SPECEE_AVX2 void tile(const float* q, int64_t start, int64_t S, int64_t D, const
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(qs + d, _mm256_mul_ps(_mm256_loadu_ps(x + d), scale));
     qv[v] = qs;
     sv[v] = work + V * D + v * n;
-    pv[v] = sv[v];
     ov[v] = out + r[v] * out_stride + h[v] * D;
   }
   scores<V>(qv, kt, n / kKeys, D, sv);
   for (int v = 0; v < V; ++v) inv[v] = softmax(sv[v], start + r[v] + 1, n);
-  for (int64_t c0 = 0; c0 < D / 8; c0 += 2) values<V>(pv, Vh, len, D, c0, inv, ov);
+  for (int64_t c0 = 0; c0 < D / 8; c0 += 2) values<V>(sv, Vh, len, D, c0, inv, ov);
 }
 
 constexpr decltype(&tile<1>) kTiles[kVectors + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
