@@ -25,7 +25,7 @@ namespace {
 
 using specee_layer::Linear;
 using specee_layer::Run;
-using specee_layer::kTilePromptRows;
+using specee_layer::long_prompt;
 using specee_layer::row_runs;
 using specee_layer::workspace;
 using specee_layer::Workspace;
@@ -127,7 +127,7 @@ class DecodeLayer {
     };
     const bool tiles_attend = prompt_attention_available(D);  // (implies rows_alone)
     const auto on_tiles = [&](size_t g) {  // a prompt whose rows attend together (prompt_attention.h)
-      return tiles_attend && causal[g] && rows[g] >= kTilePromptRows && k[g].scalar_type() == at::kHalf;
+      return tiles_attend && long_prompt(causal[g], rows[g]) && k[g].scalar_type() == at::kHalf;
     };
     // RoPE and the K/V writes of every segment first; then the rows that attend alone over their own
     // prefix (decode rows, chains, a prefill's rows: row_attention.cpp) in parallel, each by one thread,

@@ -1,7 +1,9 @@
 // e^x for x <= 0 in AVX-512 and in AVX2 (the softmax of row_attention.cpp and prompt_attention.cpp,
-// the SiLU of activation.cpp).
+// the SiLU of activation.cpp), and the AVX2 softmax that row_attention.cpp and prompt_attention_avx2.cpp share.
 #pragma once
 #include <immintrin.h>
+
+#include <cstdint>
 
 // x log2(e) = n + f, |f| <= 1/2, 2^f by its Taylor polynomial to f^6 (relative error ~1e-7; Horner's
 // rule from the f^6 term), then scaled by 2^n; below -87 the result is clamped to e^-87 (the softmax's
@@ -30,4 +32,25 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
   for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// A row's softmax after its scores, in AVX2: the maximum of s[0 .. len) is that of `best`'s lanes; over
+// ceil(n / 8) blocks of 8 (n >= len) s[t] becomes e^(s[t] - max) for t < len and 0 past it, summed 8 lanes at a
+// time in key order. Returns 1 / the sum.
+__attribute__((target("avx2,fma"), always_inline)) inline float softmax_avx2(float* s, int64_t len, int64_t n,
+                                                                           __m256 best) {
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(len - t)), lane));
+    const __m256 e = _mm256_and_ps(live, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), m)));
+    _mm256_storeu_ps(s + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return 1.0f / _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
 }

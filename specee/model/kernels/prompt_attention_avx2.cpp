@@ -107,31 +107,16 @@ SPECEE_AVX2 void values(const float* const* p, const c10::Half* Vh, int64_t len,
   }
 }
 
-// Lanes of keys t .. t + 7 within a prefix of len keys (t < len)
-SPECEE_INLINE_AVX2 __m256 live(int64_t t, int64_t len) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(len - t, 8))), lane));
-}
-
-// A row's softmax over its prefix of `len` keys, in place over keys 0 .. n - 1 (n a multiple of 8, keys
-// past len set to 0); returns 1 / the sum
+// A row's softmax over its prefix of `len` keys, in place over keys 0 .. n - 1 (keys past len set to 0);
+// returns 1 / the sum
 SPECEE_AVX2 float softmax(float* s, int64_t len, int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 best = _mm256_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < len; t += 8)
-    best = _mm256_max_ps(best, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s + t), live(t, len)));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; t += 8) {
-    const __m256 e = t < len ? _mm256_and_ps(live(t, len), exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(s + t), m)))
-                             : _mm256_setzero_ps();
-    _mm256_store_ps(s + t, e);
-    total = _mm256_add_ps(total, e);
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(len - t)), lane));
+    best = _mm256_max_ps(best, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s + t), live));
   }
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return 1.0f / _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+  return softmax_avx2(s, len, n, best);
 }
 
 // A tile of V vectors (row r[v] of the prompt, head h[v]) of one kv head: scores, softmax, values

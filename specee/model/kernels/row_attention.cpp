@@ -258,23 +258,7 @@ SPECEE_AVX2 void tile_avx2(const float* q, int64_t q_stride, const KV* K, const 
     }
   }
   float inv[H];
-  for (int h = 0; h < H; ++h) {
-    float* sh = scores + h * ss;
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(best[h]), _mm256_extractf128_ps(best[h], 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; t += 8) {
-      const __m256 live =
-          _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(len - t)), lane));
-      const __m256 e = _mm256_and_ps(live, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sh + t), m)));
-      _mm256_storeu_ps(sh + t, e);
-      total = _mm256_add_ps(total, e);
-    }
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    inv[h] = 1.0f / _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
-  }
+  for (int h = 0; h < H; ++h) inv[h] = softmax_avx2(scores + h * ss, len, len, best[h]);
   // the value pass: kValueCols chunks of each head at a time, then the rest
   int64_t c0 = 0;
   for (; c0 + kValueCols<H> <= C; c0 += kValueCols<H>)
