@@ -21,7 +21,8 @@
 // Integer dot products: `vpdpbusd` (AVX-512 VNNI), `vpmaddubsw` + `vpmaddwd` (AVX2: pairs at most
 // 2 x 63 x 127, exact in int16; Q8_0's bytes in two parts, 0-127 and 0 or 128), plain loops (portable). Every float32 operation is an FMA in the
 // same order at every level (std::fmaf in the portable path), so all levels give the same bits and
-// a row's output does not depend on the rows sharing the call. The body: kquant_tile.h.
+// a row's output does not depend on the rows sharing the call. The body: kquant_tile.h (and, for 3-4
+// rows of Q4_K / Q6_K at AVX2, kquant_avx2.h).
 #include "kquant.h"
 
 #include <ATen/Parallel.h>
@@ -159,6 +160,7 @@ struct V {
   static F loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 };
 #include "kquant_tile.h"
+#include "kquant_avx2.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -183,7 +185,7 @@ Kernels level_kernels() {
 #ifdef SPECEE_X86
   const int64_t level = int4_level();
   if (level == specee_int4::kAvx512) return {avx512::kOne, avx512::kSide};
-  if (level == specee_int4::kAvx2 && __builtin_cpu_supports("f16c")) return {avx2::kOne, avx2::kSide};
+  if (level == specee_int4::kAvx2 && __builtin_cpu_supports("f16c")) return {avx2::kOneHalves, avx2::kSideHalves};
 #endif
   return {portable::kOne, portable::kSide};
 }
