@@ -32,7 +32,7 @@
   once per call, tiles of 6 query rows' heads x 16 keys; 1.8x row_attention.cpp's time on the
   769-token bench prompt, AMD EPYC Zen 3). SPECEE_AMX=0 or `use_prompt_tiles(False)` keeps prompts on
   the int8 kernels and row_attention.cpp (so does the AVX-512 level without AMX, and the portable one).
-- `kquant.cpp` (+ `kquant_tile.h`, and `kquant_avx2.h` for 3-4 rows of Q4_K / Q6_K at AVX2, 8
+- `kquant.cpp` (+ `kquant_tile.h`, and `kquant_avx2.h` for 3-4 rows of Q4_K / Q6_K / Q5_0 at AVX2, 8
   outputs a register; the blocks' codes and scales in `kquant_codes.h`, which
   amx_prompt.cpp reads them through too): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
   the same int8 activations and levels; under bf16 activations those tensors take the int4/int8 repacks.

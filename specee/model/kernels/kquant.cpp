@@ -22,7 +22,7 @@
 // 2 x 63 x 127, exact in int16; Q8_0's bytes in two parts, 0-127 and 0 or 128), plain loops (portable). Every float32 operation is an FMA in the
 // same order at every level (std::fmaf in the portable path), so all levels give the same bits and
 // a row's output does not depend on the rows sharing the call. The body: kquant_tile.h (and, for 3-4
-// rows of Q4_K / Q6_K at AVX2, kquant_avx2.h).
+// rows of Q4_K / Q6_K / Q5_0 at AVX2, kquant_avx2.h).
 #include "kquant.h"
 
 #include <ATen/Parallel.h>

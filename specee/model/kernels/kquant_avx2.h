@@ -1,13 +1,14 @@
-// Q4_K and Q6_K at the AVX2 level for 3 or 4 rows, 8 outputs a register: included by kquant.cpp inside
+// Q4_K, Q6_K and Q5_0 at the AVX2 level for 3 or 4 rows, 8 outputs a register: included by kquant.cpp inside
 // its avx2 namespace, after kquant_tile.h (Act, tiles_rows). Why: kquant_tile.h's 16-lane vectors are
 // two AVX2 registers each, so its sums of a group's 4 tiles and 3-4 rows (Q4_K: up to 16 int16 sums and
 // 32 float ones) lived on the stack. Here a pass takes half a tile (8 outputs: the low or high 32 bytes
 // of each 64-byte vector) for R rows, its R integer sums in registers. Qwen2.5-Coder-1.5B's products
 // over every layer on 2 cores of an AMD EPYC Zen 3, the old kernel and this one alternating in one
-// process: 4 rows 1.17-1.22x, 8 rows 1.16-1.23x, 64 rows (a prefill's) 1.19-1.26x. One or two rows
+// process: 4 rows 1.11-1.31x, 8 rows 1.15-1.27x, 64 rows (a prefill's) 1.27-1.28x; Qwen2.5-Coder-0.5B's
+// (mostly Q5_0): 3 rows 1.30x, 4 rows 1.38-1.47x, 8 rows 1.39-1.42x, 64 rows 1.39-1.43x. One or two rows
 // gained nothing here (their reads bound them), so they stay in kquant_tile.h. Each lane's integer sums
 // are exact and its float32 operations are kquant_tile.h's in its order: the same bits
-// (tests/test_kquant.py).
+// (tests/test_kquant.py, tests/test_q5q8.py).
 
 // Half h (0 to 2 J - 1: tile j0 + h / 2's low or high 8 outputs) of super-block sb at base, R rows.
 template <int R, bool Q6>
@@ -106,12 +107,50 @@ void kq_halves(const uint8_t* base, int64_t g, int64_t j0, int64_t J, const Act&
     }
 }
 
-// kquant_tile.h's tiles_rows with Q4_K and Q6_K of 3 or 4 rows taken here.
+// Q5_0 (q32_tiles): J tiles from tile j0 of a group of g, R rows, block by block (32 inputs), half by half,
+// each half's float sums (starting from y) on the stack between blocks.
+template <int R>
+void q5_halves(const uint8_t* base, int64_t g, int64_t j0, int64_t J, const Act& x, int64_t K, float* y, int64_t N) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  const int64_t bytes = g * kQ5Bytes;
+  __m256 acc[2 * kGroupTiles][R];
+  for (int64_t h = 0; h < 2 * J; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm256_loadu_ps(y + r * N + 8 * h);
+  for (int64_t blk = 0; blk < K / 32; ++blk, base += bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) specee_int4::prefetch_l2(base + kPrefetchBlocks * bytes + i);
+    for (int64_t h = 0; h < 2 * J; ++h) {
+      const uint8_t* t = base + 64 * j0 + 32 * h;  // vector v of the half at t + v 64 g
+      const auto vec = [&](int v) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + v * 64 * g)); };
+      const __m256i high = vec(4);
+      __m256i sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_set1_epi32(-16 * (x.s16(r, 2 * blk) + x.s16(r, 2 * blk + 1)));
+#pragma GCC unroll 8
+      for (int C = 0; C < 8; ++C) {  // q5_quad: the nibble, and bit C of the high vector's bytes at bit 4
+        const __m256i raw = vec(C / 2);
+        const __m256i hb = C < 4 ? _mm256_slli_epi32(high, (4 - C) % 8) : _mm256_srli_epi32(high, (C - 4) % 8);
+        const __m256i code = _mm256_or_si256(_mm256_and_si256(C % 2 ? _mm256_srli_epi16(raw, 4) : raw, nibble),
+                                             _mm256_and_si256(hb, fifth));
+        for (int r = 0; r < R; ++r)
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(code, _mm256_set1_epi32(x.q4(r, 8 * blk + C))), ones));
+      }
+      const int64_t j = j0 + h / 2;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(base + 5 * 64 * g + 32 * j + 16 * (h % 2))));  // tail_d
+      for (int r = 0; r < R; ++r)
+        acc[h][r] = _mm256_fmadd_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(x.dx(r, blk))), acc[h][r]);
+    }
+  }
+  for (int64_t h = 0; h < 2 * J; ++h)
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + 8 * h, acc[h][r]);
+}
+
+// kquant_tile.h's tiles_rows with Q4_K, Q6_K and Q5_0 of 3 or 4 rows taken here.
 template <int R, int J>
 void halves_rows(int64_t type, const uint8_t* base, int64_t g, int64_t j0, const Act& x, int64_t K, float* y, int64_t N) {
   if constexpr (R >= 3) {
     if (type == kQ4K) return kq_halves<R, false>(base, g, j0, J, x, K, y, N);
     if (type == kQ6K) return kq_halves<R, true>(base, g, j0, J, x, K, y, N);
+    if (type == kQ50) return q5_halves<R>(base, g, j0, J, x, K, y, N);
   }
   tiles_rows<R, J>(type, base, g, j0, x, K, y, N);
 }
