@@ -1,5 +1,6 @@
 // Q4_K, Q6_K and Q5_0 at the AVX2 level for 3 or 4 rows, 8 outputs a register: included by kquant.cpp inside
-// its avx2 namespace, after kquant_tile.h (Act, tiles_rows). Why: kquant_tile.h's 16-lane vectors are
+// its avx2 namespace, after kquant_tile.h (Act, tiles_rows); the codes and scales are kquant_codes.h's
+// over 8-lane vectors. Why: kquant_tile.h's 16-lane vectors are
 // two AVX2 registers each, so its sums of a group's 4 tiles and 3-4 rows (Q4_K: up to 16 int16 sums and
 // 32 float ones) lived on the stack. Here a pass takes half a tile (8 outputs: the low or high 32 bytes
 // of each 64-byte vector) for R rows, its R integer sums in registers. Qwen2.5-Coder-1.5B's products
@@ -10,18 +11,52 @@
 // are exact and its float32 operations are kquant_tile.h's in its order: the same bits
 // (tests/test_kquant.py, tests/test_q5q8.py).
 
+namespace eight {  // 8 lanes a register: kquant_codes.h's codes and scales of half a tile
+struct V {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I and_(I x, uint32_t m) { return _mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(m))); }
+  static I or_(I x, I y) { return _mm256_or_si256(x, y); }
+  template <int S> static I shl(I x) { return _mm256_slli_epi32(x, S); }
+  template <int S> static I shr(I x) { return _mm256_srli_epi32(x, S); }
+  template <int S> static I sar(I x) { return _mm256_srai_epi32(x, S); }
+  static I shlv(I x, int n) { return _mm256_sll_epi32(x, _mm_cvtsi32_si128(n)); }
+  static I shrv(I x, int n) { return _mm256_srl_epi32(x, _mm_cvtsi32_si128(n)); }
+  static F half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+};
+#include "kquant_codes.h"
+}  // namespace eight
+
+// Half h of a group's tiles: its codes and scales at the low or high 32 bytes of each vector, its fp16 d
+// (and dmin) 16 bytes on.
+inline eight::Tiles half_codes(const uint8_t* base, int64_t g, int64_t h) { return {base + 32 * (h % 2), 64 * g}; }
+inline const uint8_t* half_d(const uint8_t* base, int64_t h) { return base + 16 * (h % 2); }
+
+// acc[r] += quad C of block b of the half (type Q) times row r's inputs: Q4_K's int16 pairs (one
+// vpmaddubsw and one add), else int32 sums.
+template <int64_t Q, int R, int C>
+SPECEE_KQ_INLINE void quad(const eight::Tiles& w, int j, int b, const Act& x, int64_t blk, __m256i (&acc)[R]) {
+  const __m256i code = Q == kQ4K ? eight::q4_quad<C>(w, j, b) : Q == kQ6K ? eight::q6_quad<C>(w, j, b) : eight::q5_quad<C>(w, j);
+  for (int r = 0; r < R; ++r) {
+    const __m256i p = _mm256_maddubs_epi16(code, _mm256_set1_epi32(x.q4(r, 8 * blk + C)));
+    acc[r] = Q == kQ4K ? _mm256_add_epi16(acc[r], p) : _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+}
+
+template <int64_t Q, int R, int... C>
+SPECEE_KQ_INLINE void quads(const eight::Tiles& w, int j, int b, const Act& x, int64_t blk, __m256i (&acc)[R],
+                            std::integer_sequence<int, C...>) {
+  (quad<Q, R, C>(w, j, b, x, blk, acc), ...);
+}
+
 // Half h (0 to 2 J - 1: tile j0 + h / 2's low or high 8 outputs) of super-block sb at base, R rows.
 template <int R, bool Q6>
 SPECEE_KQ_INLINE void kq_half(const uint8_t* base, int64_t g, int64_t j0, int64_t h, int64_t sb, const Act& x, float* y,
                               int64_t N) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const uint8_t* t = base + 64 * j0 + 32 * h;  // vector v of the half at t + v 64 g
-  const auto vec = [&](int v) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + v * 64 * g)); };
-  const auto xq = [&](int r, int64_t i) { return _mm256_set1_epi32(x.q4(r, i)); };
-  const auto code4 = [&](int b, int C) {  // q4_quad: inputs 4 C .. 4 C + 3 of block b, a nibble each
-    const __m256i raw = vec(4 * b + C / 2);
-    return _mm256_and_si256(C % 2 ? _mm256_srli_epi16(raw, 4) : raw, nibble);
-  };
+  const __m256i ones = _mm256_set1_epi16(1);
+  const eight::Tiles w = half_codes(base, g, h);
+  const int j = static_cast<int>(j0 + h / 2);  // the half's tile in the group
   __m256 fa[R], mins[8];  // Q4_K: each block's m, for the min term after the blocks
   for (int r = 0; r < R; ++r) fa[r] = _mm256_setzero_ps();
   for (int b = 0; b < 8; ++b) {
@@ -29,67 +64,35 @@ SPECEE_KQ_INLINE void kq_half(const uint8_t* base, int64_t g, int64_t j0, int64_
     __m256i T[R];  // per row, the block's integer sum times its scale(s)
     if constexpr (!Q6) {
       __m256i acc[R];  // each output's int16 pair sums over the block (at most 16 x 15 x 127)
-#pragma GCC unroll 8
-      for (int C = 0; C < 8; ++C) {
-        const __m256i code = code4(b, C);
-        for (int r = 0; r < R; ++r) {
-          const __m256i p = _mm256_maddubs_epi16(code, xq(r, 8 * blk + C));
-          acc[r] = C ? _mm256_add_epi16(acc[r], p) : p;
-        }
-      }
-      // q4_scale_min's 6-bit scale and min of block b
-      const __m128i at = _mm_cvtsi32_si128(8 * (b & 3)), at2 = _mm_cvtsi32_si128(8 * (b & 3) + 2);
-      const __m256i low6 = _mm256_set1_epi32(63), top2 = _mm256_set1_epi32(0x30), low4 = _mm256_set1_epi32(15);
-      const __m256i A = vec(32), B = vec(33);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+      quads<kQ4K>(w, j, b, x, blk, acc, std::make_integer_sequence<int, 8>{});
       __m256i sc, m;
-      if (b < 4) {
-        sc = _mm256_and_si256(_mm256_srl_epi32(A, at), low6), m = _mm256_and_si256(_mm256_srl_epi32(B, at), low6);
-      } else {
-        const __m256i c = _mm256_srl_epi32(vec(34), at);
-        sc = _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_srl_epi32(A, at2), top2));
-        m = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), low4), _mm256_and_si256(_mm256_srl_epi32(B, at2), top2));
-      }
+      eight::q4_scale_min(w, j, b, sc, m);
       mins[b] = _mm256_cvtepi32_ps(m);
       for (int r = 0; r < R; ++r) T[r] = _mm256_mullo_epi32(sc, _mm256_madd_epi16(acc[r], ones));
     } else {
-#pragma GCC unroll 2
-      for (int half = 0; half < 2; ++half) {  // 16 inputs: T += scale (sum q x - 32 sum x)
-        __m256i acc[R];
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_set1_epi32(-32 * x.s16(r, 2 * blk + half));
-        const __m256i high = vec(32 + 2 * b + half);
-#pragma GCC unroll 4
-        for (int C = 4 * half; C < 4 * half + 4; ++C) {  // q6_quad: bits 2 (C % 4) of the high vector at 4-5
-          const __m256i hb = C % 4 == 0 ? _mm256_slli_epi32(high, 4) : C % 4 == 1 ? _mm256_slli_epi32(high, 2)
-                             : C % 4 == 2 ? high : _mm256_srli_epi32(high, 2);
-          const __m256i code = _mm256_or_si256(code4(b, C), _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
-          for (int r = 0; r < R; ++r)
-            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(code, xq(r, 8 * blk + C)), ones));
-        }
-        // q6_scales' int8 scale of this half of block b
-        const __m256i s = vec(48 + b / 2);
-        const __m256i scale = _mm256_srai_epi32(_mm256_sll_epi32(s, _mm_cvtsi32_si128(24 - 16 * (b % 2) - 8 * half)), 24);
-        for (int r = 0; r < R; ++r) {
-          const __m256i part = _mm256_mullo_epi32(scale, acc[r]);
-          T[r] = half ? _mm256_add_epi32(T[r], part) : part;
-        }
-      }
+      __m256i lo[R], hi[R];  // inputs 0-15 and 16-31: sum q x - 32 sum x
+      for (int r = 0; r < R; ++r)
+        lo[r] = _mm256_set1_epi32(-32 * x.s16(r, 2 * blk)), hi[r] = _mm256_set1_epi32(-32 * x.s16(r, 2 * blk + 1));
+      quads<kQ6K>(w, j, b, x, blk, lo, std::integer_sequence<int, 0, 1, 2, 3>{});
+      quads<kQ6K>(w, j, b, x, blk, hi, std::integer_sequence<int, 4, 5, 6, 7>{});
+      __m256i s0, s1;
+      eight::q6_scales(w, j, b, s0, s1);
+      for (int r = 0; r < R; ++r) T[r] = _mm256_add_epi32(_mm256_mullo_epi32(s0, lo[r]), _mm256_mullo_epi32(s1, hi[r]));
     }
     for (int r = 0; r < R; ++r) fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T[r]), _mm256_set1_ps(x.dx(r, blk)), fa[r]);
   }
-  const int64_t j = j0 + h / 2;  // the half's tile in the group
   float* o = y + 8 * h;
   if constexpr (!Q6) {
-    const uint16_t* dd = reinterpret_cast<const uint16_t*>(base + 35 * 64 * g + 64 * j) + 8 * (h % 2);  // q4_d_dmin
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 16)));
+    __m256 d, dmin;
+    eight::q4_d_dmin(eight::Tiles{half_d(base, h), 64 * g}, j, d, dmin);
     for (int r = 0; r < R; ++r) {
       __m256 fb = _mm256_setzero_ps();
       for (int b = 0; b < 8; ++b) fb = _mm256_fmadd_ps(mins[b], _mm256_set1_ps(x.ds(r, sb * 8 + b)), fb);
       _mm256_storeu_ps(o + r * N, _mm256_fnmadd_ps(dmin, fb, _mm256_fmadd_ps(d, fa[r], _mm256_loadu_ps(o + r * N))));
     }
   } else {
-    const uint16_t* dd = reinterpret_cast<const uint16_t*>(base + 52 * 64 * g + 32 * j) + 8 * (h % 2);  // tail_d
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd)));
+    const __m256 d = eight::tail_d(half_d(base, h), 52, g, j);
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + r * N, _mm256_fmadd_ps(d, fa[r], _mm256_loadu_ps(o + r * N)));
   }
 }
@@ -111,7 +114,6 @@ void kq_halves(const uint8_t* base, int64_t g, int64_t j0, int64_t J, const Act&
 // each half's float sums (starting from y) on the stack between blocks.
 template <int R>
 void q5_halves(const uint8_t* base, int64_t g, int64_t j0, int64_t J, const Act& x, int64_t K, float* y, int64_t N) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   const int64_t bytes = g * kQ5Bytes;
   __m256 acc[2 * kGroupTiles][R];
   for (int64_t h = 0; h < 2 * J; ++h)
@@ -119,23 +121,11 @@ void q5_halves(const uint8_t* base, int64_t g, int64_t j0, int64_t J, const Act&
   for (int64_t blk = 0; blk < K / 32; ++blk, base += bytes) {
     for (int64_t i = 0; i < bytes; i += 64) specee_int4::prefetch_l2(base + kPrefetchBlocks * bytes + i);
     for (int64_t h = 0; h < 2 * J; ++h) {
-      const uint8_t* t = base + 64 * j0 + 32 * h;  // vector v of the half at t + v 64 g
-      const auto vec = [&](int v) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + v * 64 * g)); };
-      const __m256i high = vec(4);
+      const int j = static_cast<int>(j0 + h / 2);
       __m256i sums[R];
       for (int r = 0; r < R; ++r) sums[r] = _mm256_set1_epi32(-16 * (x.s16(r, 2 * blk) + x.s16(r, 2 * blk + 1)));
-#pragma GCC unroll 8
-      for (int C = 0; C < 8; ++C) {  // q5_quad: the nibble, and bit C of the high vector's bytes at bit 4
-        const __m256i raw = vec(C / 2);
-        const __m256i hb = C < 4 ? _mm256_slli_epi32(high, (4 - C) % 8) : _mm256_srli_epi32(high, (C - 4) % 8);
-        const __m256i code = _mm256_or_si256(_mm256_and_si256(C % 2 ? _mm256_srli_epi16(raw, 4) : raw, nibble),
-                                             _mm256_and_si256(hb, fifth));
-        for (int r = 0; r < R; ++r)
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(code, _mm256_set1_epi32(x.q4(r, 8 * blk + C))), ones));
-      }
-      const int64_t j = j0 + h / 2;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(base + 5 * 64 * g + 32 * j + 16 * (h % 2))));  // tail_d
+      quads<kQ50>(half_codes(base, g, h), j, 0, x, blk, sums, std::make_integer_sequence<int, 8>{});
+      const __m256 d = eight::tail_d(half_d(base, h), 5, g, j);
       for (int r = 0; r < R; ++r)
         acc[h][r] = _mm256_fmadd_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(x.dx(r, blk))), acc[h][r]);
     }
