@@ -117,21 +117,41 @@ struct V {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
-// 16 lanes as two AVX2 halves.
+namespace eight {  // 8 lanes a register: a half of V below, and kquant_avx2.h's halves of tiles
 struct V {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I and_(I x, uint32_t m) { return _mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(m))); }
+  static I or_(I x, I y) { return _mm256_or_si256(x, y); }
+  static I add(I x, I y) { return _mm256_add_epi32(x, y); }
+  static I mul(I x, I y) { return _mm256_mullo_epi32(x, y); }
+  template <int S> static I shl(I x) { return _mm256_slli_epi32(x, S); }
+  template <int S> static I shr(I x) { return _mm256_srli_epi32(x, S); }
+  template <int S> static I sar(I x) { return _mm256_srai_epi32(x, S); }
+  static I shlv(I x, int n) { return _mm256_sll_epi32(x, _mm_cvtsi32_si128(n)); }
+  static I shrv(I x, int n) { return _mm256_srl_epi32(x, _mm_cvtsi32_si128(n)); }
+  static F half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+};
+}  // namespace eight
+
+// 16 lanes as two AVX2 halves (eight::V's).
+struct V {
+  using H = eight::V;
   struct I { __m256i a, b; };
   struct F { __m256 a, b; };
-  static I load(const uint8_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))}; }
-  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
-  static I and_(const I& x, uint32_t m) { const __m256i k = _mm256_set1_epi32(m); return {_mm256_and_si256(x.a, k), _mm256_and_si256(x.b, k)}; }
-  static I or_(const I& x, const I& y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
-  static I add(const I& x, const I& y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
-  static I mul(const I& x, const I& y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
-  template <int S> static I shl(const I& x) { return {_mm256_slli_epi32(x.a, S), _mm256_slli_epi32(x.b, S)}; }
-  template <int S> static I shr(const I& x) { return {_mm256_srli_epi32(x.a, S), _mm256_srli_epi32(x.b, S)}; }
-  template <int S> static I sar(const I& x) { return {_mm256_srai_epi32(x.a, S), _mm256_srai_epi32(x.b, S)}; }
-  static I shlv(const I& x, int n) { const __m128i c = _mm_cvtsi32_si128(n); return {_mm256_sll_epi32(x.a, c), _mm256_sll_epi32(x.b, c)}; }
-  static I shrv(const I& x, int n) { const __m128i c = _mm_cvtsi32_si128(n); return {_mm256_srl_epi32(x.a, c), _mm256_srl_epi32(x.b, c)}; }
+  static I load(const uint8_t* p) { return {H::load(p), H::load(p + 32)}; }
+  static I set1(int32_t v) { return {H::set1(v), H::set1(v)}; }
+  static I and_(const I& x, uint32_t m) { return {H::and_(x.a, m), H::and_(x.b, m)}; }
+  static I or_(const I& x, const I& y) { return {H::or_(x.a, y.a), H::or_(x.b, y.b)}; }
+  static I add(const I& x, const I& y) { return {H::add(x.a, y.a), H::add(x.b, y.b)}; }
+  static I mul(const I& x, const I& y) { return {H::mul(x.a, y.a), H::mul(x.b, y.b)}; }
+  template <int S> static I shl(const I& x) { return {H::shl<S>(x.a), H::shl<S>(x.b)}; }
+  template <int S> static I shr(const I& x) { return {H::shr<S>(x.a), H::shr<S>(x.b)}; }
+  template <int S> static I sar(const I& x) { return {H::sar<S>(x.a), H::sar<S>(x.b)}; }
+  static I shlv(const I& x, int n) { return {H::shlv(x.a, n), H::shlv(x.b, n)}; }
+  static I shrv(const I& x, int n) { return {H::shrv(x.a, n), H::shrv(x.b, n)}; }
   static __m256i dot1(__m256i acc, __m256i w, __m256i x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
   }
@@ -153,9 +173,7 @@ struct V {
   static F fmul(const F& x, const F& y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
   static F fma(const F& x, const F& y, const F& z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
   static F fnma(const F& x, const F& y, const F& z) { return {_mm256_fnmadd_ps(x.a, y.a, z.a), _mm256_fnmadd_ps(x.b, y.b, z.b)}; }
-  static F half(const uint16_t* p) {
-    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-  }
+  static F half(const uint16_t* p) { return {H::half(p), H::half(p + 8)}; }
   static void store(float* p, const F& x) { _mm256_storeu_ps(p, x.a), _mm256_storeu_ps(p + 8, x.b); }
   static F loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 };

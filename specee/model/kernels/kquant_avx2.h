@@ -11,20 +11,7 @@
 // are exact and its float32 operations are kquant_tile.h's in its order: the same bits
 // (tests/test_kquant.py, tests/test_q5q8.py).
 
-namespace eight {  // 8 lanes a register: kquant_codes.h's codes and scales of half a tile
-struct V {
-  using I = __m256i;
-  using F = __m256;
-  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static I and_(I x, uint32_t m) { return _mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(m))); }
-  static I or_(I x, I y) { return _mm256_or_si256(x, y); }
-  template <int S> static I shl(I x) { return _mm256_slli_epi32(x, S); }
-  template <int S> static I shr(I x) { return _mm256_srli_epi32(x, S); }
-  template <int S> static I sar(I x) { return _mm256_srai_epi32(x, S); }
-  static I shlv(I x, int n) { return _mm256_sll_epi32(x, _mm_cvtsi32_si128(n)); }
-  static I shrv(I x, int n) { return _mm256_srl_epi32(x, _mm_cvtsi32_si128(n)); }
-  static F half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-};
+namespace eight {  // kquant_codes.h over kquant.cpp's 8-lane eight::V: the codes and scales of half a tile
 #include "kquant_codes.h"
 }  // namespace eight
 
