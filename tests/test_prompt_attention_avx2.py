@@ -1,8 +1,8 @@
 """A prompt's attention in AVX2 float32 (model/kernels/prompt_attention_avx2.cpp), where the kernels
-run at their AVX2 level: causal attention in float32 (against float64), rows independent of the rows
-beside them and of where a chunked prefill's part starts, the rule that sends only a prompt of 32 rows
-or more there, and the C++ layer still beside the Python one. Run at the AVX2 level on any x86 CPU
-with AVX2 and F16C (an AVX-512 one lowered to it); skipped elsewhere."""
+run at their AVX2 level or at AVX-512 without AMX tiles: causal attention in float32 (against float64),
+rows independent of the rows beside them and of where a chunked prefill's part starts, the rule that
+sends only a prompt of 32 rows or more there, and the C++ layer still beside the Python one. Run at
+each of the two levels the CPU has (an AVX-512 one lowered to AVX2 too); skipped elsewhere."""
 from __future__ import annotations
 
 import pytest
@@ -12,15 +12,18 @@ from test_amx import PROMPT_ROWS, causal_attention, first_layer
 from specee.model import kernels
 
 
-@pytest.fixture
-def avx2():
-    """The kernels at their AVX2 level for the test, then back."""
+@pytest.fixture(params=["avx2", "avx512"])
+def avx2(request):
+    """The kernels at the level the test is for (AVX2, or AVX-512 where AMX does not take the prompt's
+    attention), then back."""
     k = kernels.int4_kernel()
     if k is None:
         pytest.skip("the CPU kernels are not built here")
-    if kernels.LEVELS.index("avx2") > k.int4_best_level():
-        pytest.skip("this CPU has no AVX2")
-    before = kernels.use_level("avx2")
+    if kernels.LEVELS.index(request.param) > k.int4_best_level():
+        pytest.skip(f"this CPU has no {request.param.upper()}")
+    if request.param == "avx512" and k.amx_available():
+        pytest.skip("at the AVX-512 level this CPU's AMX tiles take a prompt's attention (test_amx.py)")
+    before = kernels.use_level(request.param)
     try:
         if not k.prompt_attention_available(64):
             pytest.skip("this CPU has no F16C, or prompt tiles are switched off (SPECEE_AMX=0)")
@@ -63,7 +66,7 @@ def test_a_prompt_rows_attention_depends_neither_on_the_rows_after_it_nor_on_whe
 
 @torch.inference_mode()
 def test_only_a_prompt_of_32_rows_or_more_attends_together_and_stays_beside_the_python_layer(avx2, tmp_path):
-    """The C++ layer at the AVX2 level: below 32 rows the same bits with prompt tiles on or off (every row
+    """The C++ layer at the level: below 32 rows the same bits with prompt tiles on or off (every row
     through row_attention.cpp); from 32 rows the attention's order of sums differs, and both stay as close
     to the Python layer."""
     from checkpoints import make_checkpoint

@@ -28,10 +28,11 @@
   `prompt_attention.cpp`: that prompt's attention on the tiles too (bf16 queries, keys, values and
   probabilities, float32 sums; a chunked prefill's later part reads the earlier parts' keys from the
   cache with the same bits). `amx_tiles.h`: what the two share.
-  `prompt_attention_avx2.cpp`: at the AVX2 level, such a prompt's attention in float32 (keys widened
-  once per call, tiles of 6 query rows' heads x 16 keys; 1.8x row_attention.cpp's time on the
-  769-token bench prompt, AMD EPYC Zen 3). SPECEE_AMX=0 or `use_prompt_tiles(False)` keeps prompts on
-  the int8 kernels and row_attention.cpp (so does the AVX-512 level without AMX, and the portable one).
+  `prompt_attention_avx2.cpp`: without AMX (the AVX2 level, or AVX-512 as on AMD Zen 4-5), such a
+  prompt's attention in float32 (keys widened once per call, tiles of 6 query rows' heads x 16 keys;
+  1.8x row_attention.cpp's speed on the 769-token bench prompt, AMD EPYC Zen 3). SPECEE_AMX=0 or
+  `use_prompt_tiles(False)` keeps prompts on the int8 kernels and row_attention.cpp (so does the
+  portable level).
 - `kquant.cpp` (+ `kquant_tile.h`, and `kquant_avx2.h` for 3-4 rows of Q4_K / Q6_K / Q5_0 at AVX2, 8
   outputs a register; the blocks' codes and scales in `kquant_codes.h`, which
   amx_prompt.cpp reads them through too): GGUF Q4_K / Q6_K / Q5_0 / Q8_0 blocks run as stored (model/quant_gguf.py), with
@@ -142,8 +143,8 @@ def use_activations(name: str) -> str:
 
 def use_prompt_tiles(on: bool) -> bool:
     """Run a prompt's rows together (on): its products and attention on AMX tiles where the CPU has
-    them, its attention in prompt_attention_avx2.cpp at the AVX2 level; or (off) on the int8 kernels
-    and row_attention.cpp. Returns the setting before."""
+    them, its attention in prompt_attention_avx2.cpp elsewhere (AVX2 or AVX-512); or (off) on the
+    int8 kernels and row_attention.cpp. Returns the setting before."""
     _amx_from_env()  # first, so that it does not undo this choice later
     kernels = _build()
     before = kernels.prompt_tiles_on()

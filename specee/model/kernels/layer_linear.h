@@ -16,7 +16,7 @@ namespace specee_layer {
 // A prompt (a causal segment) of at least this many rows runs its products (amx_prompt.cpp) and its
 // attention (prompt_attention.cpp) on AMX tiles where the CPU has them: below it the weights'
 // dequantization costs more than the tiles save (SmolLM2's products: 0.5-1.0x of the int8 kernel at
-// 8-24 rows, 1.2-1.5x at 32, 1.7-1.8x at 64). At the AVX2 level its attention runs in
+// 8-24 rows, 1.2-1.5x at 32, 1.7-1.8x at 64). Without AMX its attention runs in
 // prompt_attention_avx2.cpp by the same rule (no other threshold measured). A request's own prompt length
 // decides, so its tokens never depend on what shares its steps.
 constexpr int64_t kTilePromptRows = 32;

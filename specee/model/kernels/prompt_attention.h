@@ -1,13 +1,13 @@
 // A prompt's rows attending together: on AMX-BF16 tiles (prompt_attention.cpp), or in AVX2 float32 where
-// the kernels run at their AVX2 level (prompt_attention_avx2.cpp).
+// row_attention.cpp runs and AMX does not (prompt_attention_avx2.cpp).
 #pragma once
 #include <c10/util/Half.h>
 
 #include <cstdint>
 
 // Whether prompt_attention runs here: prompt tiles switched on (amx_prompt.h) and either AMX tiles enabled
-// and a head size they take (a multiple of 32, at most 128), or the AVX2 level (a multiple of 16, at most
-// 256). At the AVX-512 level without AMX a prompt's rows attend one at a time (row_attention.cpp).
+// and a head size they take (a multiple of 32, at most 128), or the head sizes and levels of
+// row_attention_available (AVX2 with F16C, or AVX-512: a multiple of 16, at most 256).
 bool prompt_attention_available(int64_t head_dim);
 
 // S rows of a causal prompt at slots start .. start + S - 1 (start > 0: a later part of a chunked
@@ -19,8 +19,7 @@ void prompt_attention(const float* q, int64_t start, int64_t S, int64_t D, int64
                       const c10::Half* K, int64_t k_stride, const c10::Half* V, int64_t v_stride, float* out,
                       int64_t out_stride);
 
-// The AVX2 path: its head sizes at the AVX2 level, and the call (prompt_attention's arguments)
-bool prompt_attention_avx2_available(int64_t head_dim);
+// The AVX2 path (prompt_attention's arguments)
 void prompt_attention_avx2(const float* q, int64_t start, int64_t S, int64_t D, int64_t heads, int64_t kv_heads,
                            const c10::Half* K, int64_t k_stride, const c10::Half* V, int64_t v_stride, float* out,
                            int64_t out_stride);
