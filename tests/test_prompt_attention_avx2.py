@@ -13,7 +13,7 @@ from specee.model import kernels
 
 
 @pytest.fixture(params=["avx2", "avx512"])
-def avx2(request):
+def kernel(request):
     """The kernels at the level the test is for (AVX2, or AVX-512 where AMX does not take the prompt's
     attention), then back."""
     k = kernels.int4_kernel()
@@ -35,13 +35,13 @@ def avx2(request):
 @torch.inference_mode()
 @pytest.mark.parametrize("heads,kv_heads,S,D", [(9, 3, 32, 64), (9, 3, 33, 64), (12, 2, 100, 128), (4, 4, 257, 32),
                                                 (14, 2, 70, 64), (6, 2, 50, 256), (9, 3, 769, 64)])
-def test_prompt_attention_is_causal_attention_in_float32(avx2, heads, kv_heads, S, D):
-    assert not avx2.prompt_attention_available(24) and not avx2.prompt_attention_available(272)
+def test_prompt_attention_is_causal_attention_in_float32(kernel, heads, kv_heads, S, D):
+    assert not kernel.prompt_attention_available(24) and not kernel.prompt_attention_available(272)
     gen = torch.Generator().manual_seed(S)
     q = torch.randn(heads, S, D, generator=gen) * 2
     keys = (torch.randn(kv_heads, S, D, generator=gen) * 2).half()
     values = torch.randn(kv_heads, S, D, generator=gen).half()
-    y = avx2.prompt_attention(q, keys, values).double()
+    y = kernel.prompt_attention(q, keys, values).double()
     err = (y - causal_attention(q, keys, values, bf16=False)).abs()
     # float32 sums and a polynomial exp (relative error ~1e-7) against float64; bf16 operands would be ~1e-3
     assert err.max() < 1e-5 * values.abs().max(), float(err.max())
@@ -49,23 +49,23 @@ def test_prompt_attention_is_causal_attention_in_float32(avx2, heads, kv_heads, 
 
 
 @torch.inference_mode()
-def test_a_prompt_rows_attention_depends_neither_on_the_rows_after_it_nor_on_where_its_part_starts(avx2):
+def test_a_prompt_rows_attention_depends_neither_on_the_rows_after_it_nor_on_where_its_part_starts(kernel):
     """Row i gets the same bits whether the prompt ends at row i or runs on, and whether its rows start
     at slot 0 or at a later part's first slot (the earlier parts' keys from the cache): its tile's other
     rows and the padded keys add nothing to its sums."""
     gen = torch.Generator().manual_seed(0)
     q, keys, values = torch.randn(6, 300, 64, generator=gen), torch.randn(2, 300, 64, generator=gen).half(), \
         torch.randn(2, 300, 64, generator=gen).half()
-    y = avx2.prompt_attention(q, keys, values)
+    y = kernel.prompt_attention(q, keys, values)
     for S in (1, 2, 15, 16, 17, 32, 33, 100, 299):
-        assert torch.equal(avx2.prompt_attention(q[:, :S], keys[:, :S], values[:, :S]), y[:S]), S
+        assert torch.equal(kernel.prompt_attention(q[:, :S], keys[:, :S], values[:, :S]), y[:S]), S
     for start, end in ((32, 64), (47, 300), (100, 133), (255, 300), (299, 300)):
-        part = avx2.prompt_attention(q[:, start:end], keys[:, :end], values[:, :end])
+        part = kernel.prompt_attention(q[:, start:end], keys[:, :end], values[:, :end])
         assert torch.equal(part, y[start:end]), (start, end)
 
 
 @torch.inference_mode()
-def test_only_a_prompt_of_32_rows_or_more_attends_together_and_stays_beside_the_python_layer(avx2, tmp_path):
+def test_only_a_prompt_of_32_rows_or_more_attends_together_and_stays_beside_the_python_layer(kernel, tmp_path):
     """The C++ layer at the level: below 32 rows the same bits with prompt tiles on or off (every row
     through row_attention.cpp); from 32 rows the attention's order of sums differs, and both stay as close
     to the Python layer."""
@@ -82,7 +82,7 @@ def test_only_a_prompt_of_32_rows_or_more_attends_together_and_stays_beside_the_
 
 
 @torch.inference_mode()
-def test_a_prompt_prefilled_in_parts_gets_the_bits_of_one_pass(avx2, tmp_path):
+def test_a_prompt_prefilled_in_parts_gets_the_bits_of_one_pass(kernel, tmp_path):
     """Chunked prefill's parts (32, 32 and 36 rows of a 100-token prompt) give every row the hidden state
     of the prompt in one pass, bit for bit, with the rows attending together."""
     from checkpoints import make_checkpoint

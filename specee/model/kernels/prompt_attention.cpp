@@ -253,8 +253,8 @@ void prompt_attention(const float* q, int64_t start, int64_t S, int64_t D, int64
                       const c10::Half* K, int64_t k_stride, const c10::Half* V, int64_t v_stride, float* out,
                       int64_t out_stride) {
   TORCH_CHECK(prompt_attention_available(D) && heads % kv_heads == 0,
-              "prompt_attention: needs AMX tiles (a head size of 32, 64, 96 or 128) or the AVX2 or AVX-512 level (a multiple of "
-              "16 up to 256), prompt tiles switched on (got a head size of ", D, ")");
+              "prompt_attention: needs AMX tiles (a head size of 32, 64, 96 or 128) or the AVX2 or AVX-512 level (a "
+              "multiple of 16 up to 256), prompt tiles switched on (got a head size of ", D, ")");
   if (!amx_attention_available(D))
     return prompt_attention_avx2(q, start, S, D, heads, kv_heads, K, k_stride, V, v_stride, out, out_stride);
 #ifdef SPECEE_AMX_BUILT

@@ -1,14 +1,15 @@
 // A prompt's attention in AVX2 float32, where the kernels run at their AVX2 level (AMD Zen 2-3, desktop
-// Intel) or at AVX-512 without AMX tiles (AMD Zen 4-5, whose 512-bit operations run as 256-bit halves
-// or no faster): per kv head the prompt's keys are widened once into blocks of 8 keys stored dimension-major; a
-// tile of up to 6 query vectors (a row's head) scores 16 keys at a time, each score a float32 FMA chain over
-// the head's dimensions in order with the query times 1/sqrt(D), so no horizontal sums; a softmax over each
-// row's own prefix (the polynomial exp of exp_nonpositive.h); and P V, 16 dimensions of every vector of the
-// tile at a time, an FMA chain over the keys in slot order. Why: row_attention.cpp takes a prompt one row
-// at a time, each row reading and widening every key and value of its prefix and folding 4 keys' sums
-// across lanes; the 769-token bench prompt's attention was ~17% of the 8 bench prompts' prefill (AMD EPYC
-// Zen 3, BENCHMARKS.md session 48). At the AVX-512 level it took over from row_attention.cpp's AVX-512
-// rows: the 8 bench prompts' prefill 1.03-1.09x, the 769-token one 1.06x (AMD EPYC Zen 4, session 50).
+// Intel) or at AVX-512 without AMX tiles (AMD Zen 4-5; Zen 4 runs a 512-bit operation as two 256-bit halves,
+// and a 16-lane version was not measured): per kv head the prompt's keys are widened once into blocks of 8
+// keys stored dimension-major; a tile of up to 6 query vectors (a row's head) scores 16 keys at a time, each
+// score a float32 FMA chain over the head's dimensions in order with the query times 1/sqrt(D), so no
+// horizontal sums; a softmax over each row's own prefix (the polynomial exp of exp_nonpositive.h); and P V,
+// 16 dimensions of every vector of the tile at a time, an FMA chain over the keys in slot order. Why:
+// row_attention.cpp takes a prompt one row at a time, each row reading and widening every key and value of
+// its prefix and folding 4 keys' sums across lanes; the 769-token bench prompt's attention was ~17% of the 8
+// bench prompts' prefill (AMD EPYC Zen 3, BENCHMARKS.md session 48). At the AVX-512 level it took over from
+// row_attention.cpp's AVX-512 rows: the 8 bench prompts' prefill 1.03-1.09x, the 769-token one 1.06x (AMD
+// EPYC Zen 4, session 50).
 //
 // decode_layer.cpp sends a prompt here by the rule of the AMX tiles (prompt_attention.cpp): a causal
 // segment of kTilePromptRows rows or more, so a request's tokens depend on its own prompt, never on what
