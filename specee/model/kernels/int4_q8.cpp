@@ -102,9 +102,11 @@ SPECEE_INT4_AVX512 __attribute__((always_inline)) inline void group_avx512(const
 // every group. 8 rows on one AMD EPYC Zen 4 core, GMAC/s: 102-114 -> 146-150 with the weights in
 // cache, 77 -> 111 from memory. (One tile a pass ran 147-153 in cache and 98 from memory, too little
 // arithmetic to hide the reads; 3-4 rows gain in cache and lose from memory, so they stay group by
-// group.) Both paths combine each group with add_group.
-template <int R>
-SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
+// group.) Both paths combine each group with add_group. tiles: the block's unpacked tiles (unpack_avx512) when
+// Unpacked, read instead of widening w's (a prompt's rows, kUnpackUnitsAvx512).
+template <int R, bool Unpacked>
+SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N,
+                                    const uint8_t* tiles) {
   constexpr int T = 2;
   const int64_t G = K / kGroup;
   for (int t0 = 0; t0 < 4; t0 += T) {
@@ -112,14 +114,17 @@ SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const 
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) f[r][t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      if (t0 == 0) prefetch_group(w, sz, g, R);  // later passes find the block in cache
+      if (!Unpacked && t0 == 0) prefetch_group(w, sz, g, R);  // later passes find the block in cache
       __m512i acc[R][T];
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int c = 0; c < kGroup / 4; ++c) {
         __m512i u[T];
-        for (int t = 0; t < T; ++t) u[t] = unpack16(w + (g * (kGroup / 4) + c) * 128 + (t0 + t) * 32);
+        for (int t = 0; t < T; ++t) {
+          const int64_t at = (g * (kGroup / 4) + c) * 128 + (t0 + t) * 32;
+          u[t] = Unpacked ? _mm512_loadu_si512(tiles + 2 * at) : unpack16(w + at);
+        }
         for (int r = 0; r < R; ++r) {
           const __m512i xb = _mm512_set1_epi32(x.q4(K, r, g * (kGroup / 4) + c));
           for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], u[t], xb);
@@ -137,9 +142,10 @@ SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const 
 
 // 1-4 rows group by group, so the weights stream once; more: rows_avx512. y written.
 template <int R>
-SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N) {
+SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N,
+                                     const uint8_t* tiles) {
   if constexpr (R > 4) {
-    rows_avx512<R>(w, sz, x, K, y, N);
+    tiles ? rows_avx512<R, true>(w, sz, x, K, y, N, tiles) : rows_avx512<R, false>(w, sz, x, K, y, N, tiles);
   } else {
     zero_rows(y, R, N);
     for (int64_t g = 0; g < K / kGroup; ++g) {
@@ -197,6 +203,11 @@ SPECEE_INT4_AVX2 void unpack_avx2(const uint8_t* w, int64_t K, uint8_t* tiles) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(tiles + 2 * i), u[0]);
     _mm256_store_si256(reinterpret_cast<__m256i*>(tiles + 2 * i + 32), u[1]);
   }
+}
+
+// A block's tiles unpacked for rows_avx512<R, true>: unpack16 of each tile's 32 bytes, 64 bytes each in w's order.
+SPECEE_INT4_AVX512 void unpack_avx512(const uint8_t* w, int64_t K, uint8_t* tiles) {
+  for (int64_t i = 0; i < (K / 4) * 128; i += 32) _mm512_storeu_si512(tiles + 2 * i, unpack16(w + i));
 }
 
 // 1 to 4 rows, T tiles of 16 outputs side by side (R T <= 8 sums). A tile's 32 bytes split into low nibbles
@@ -325,7 +336,7 @@ template <int R>
 void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N,
              const Block& next, const uint8_t* tiles) {
 #ifdef SPECEE_X86
-  if (level == kAvx512) return block_avx512<R>(w, sz, x, K, y, N);
+  if (level == kAvx512) return block_avx512<R>(w, sz, x, K, y, N, tiles);
   if constexpr (R <= kAvx2Rows)  // int4_mm_q8's units at AVX2 hold no more
     if (level == kAvx2)
       return tiles ? rows_avx2<R, true>(w, sz, x, K, y, N, next, tiles) : rows_avx2<R, false>(w, sz, x, K, y, N, next, tiles);
@@ -339,6 +350,10 @@ constexpr int kMaxRows = 8;  // a verification pass's rows share each tile's unp
 // and 96 KB). One AMD EPYC Zen 3 core, SmolLM2's shapes, unpacking first against as they go: 12-16 rows (3-4
 // units) 0.92-0.97x, 20 rows 0.94-1.02x, 24 rows 1.00-1.09x, 32 rows 1.02-1.05x, 512 rows 1.06-1.21x.
 constexpr int64_t kUnpackUnits = 6;
+// At AVX-512 each 8-row unit widens every tile's 32 bytes (unpack16) in each of its two passes; a block unpacked
+// first (unpack_avx512) pays from 16 units. SmolLM2's 120 products, 2 AMD EPYC Zen 4 cores, the two ways
+// alternating in one process: 64 rows 0.97x, 128 rows 1.03x, 256 1.04x, 512 1.03x, 1,010 1.06-1.07x.
+constexpr int64_t kUnpackUnitsAvx512 = 16;
 constexpr int64_t kUnpackMaxInputs = 4096;
 
 // The calling thread's buffer for one block's unpacked tiles (K x 64 bytes), kept between calls; reached only
@@ -379,7 +394,8 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   // of 64 outputs left one of two threads idle a tenth of the time)
   const int64_t unit = level == kAvx2 ? kAvx2Rows : kMaxRows;
   const int64_t chunks = (M + unit - 1) / unit;
-  const bool unpack = level == kAvx2 && chunks >= kUnpackUnits && K <= kUnpackMaxInputs;
+  const int64_t unpack_units = level == kAvx2 ? kUnpackUnits : level == kAvx512 ? kUnpackUnitsAvx512 : 0;
+  const bool unpack = unpack_units && chunks >= unpack_units && K <= kUnpackMaxInputs;
   const auto block = [&](int64_t b) { return Block{w + b * (K / 4) * 128, sz + b * G * 128}; };
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
     uint8_t* const tiles = unpack ? thread_tiles(K) : nullptr;
@@ -390,7 +406,8 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
       const bool streams_next = chunks > 1 && u % chunks == chunks - 1 && (b + 1) * chunks < u1;
       const Block own = block(b), next = streams_next ? block(b + 1) : Block{nullptr, nullptr};
 #ifdef SPECEE_X86
-      if (unpack && (u == u0 || u % chunks == 0)) unpack_avx2(own.w, K, tiles);  // the thread's first unit over block b
+      if (unpack && (u == u0 || u % chunks == 0))  // the thread's first unit over block b
+        level == kAvx2 ? unpack_avx2(own.w, K, tiles) : unpack_avx512(own.w, K, tiles);
 #endif
       kRows[R](level, own.w, own.sz, rows, K, out + r * N + b * 64, N, next, tiles);
     }
