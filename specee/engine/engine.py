@@ -32,14 +32,15 @@ from .sequence import Sequence
 class Engine:
     def __init__(self, model: Transformer, decoding: FullDepth | None = None, kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv: KVCacheManager | None = None):
         """max_num_batched_tokens: rows a step runs (a step with prompt parts may pass it by one part);
-        prefill_chunk: the prompt tokens a step prefills of one request (0: whole prompts)."""
+        prefill_chunk: the prompt tokens a step prefills of one request (0: whole prompts); kv: an earlier
+        engine's pool, taken over where it fits (KVCacheManager.reusing)."""
         check_scheduling(max_num_seqs, max_num_batched_tokens, prefill_chunk)
         self.model = model
         self.decoding = decoding or FullDepth(model)
-        self.kv = KVCacheManager(model.cfg, model.device, model.kv_dtype,
-                                 parse_kv_budget(kv_cache_memory, model.cfg, model.kv_dtype))
+        self.kv = KVCacheManager.reusing(kv, model.cfg, model.device, model.kv_dtype,
+                                         parse_kv_budget(kv_cache_memory, model.cfg, model.kv_dtype))
         self.runner = ModelRunner(model, DecodeGraphs(model, self.kv) if model.device.type == "cuda" else None)
         self.scheduler = Scheduler(self.kv, model.cfg.context_limit, self.decoding.extra_rows, max_num_seqs,
                                    max_num_batched_tokens, prefill_chunk, self.decoding.prefill_length)

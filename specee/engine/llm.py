@@ -147,8 +147,11 @@ class LLM:
         self.generate([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
 
     def _new_engine(self) -> None:
-        """The engine for the configured decoding: early exit, speculative decoding or full depth."""
-        self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory, **self.scheduling)
+        """The engine for the configured decoding: early exit, speculative decoding or full depth (on the
+        last engine's KV pool where it fits: its pages are in already)."""
+        last = getattr(self, "engine", None)
+        self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory,
+                             kv=last.kv if last is not None else None, **self.scheduling)
         if getattr(self, "_worker", None) is not None:  # modes switch between requests, none in flight
             self._worker.engine = self.engine
 
