@@ -55,17 +55,20 @@ def test_bad_flags_are_one_line_before_any_work(capsys, no_model_loads, argv, ne
 
 
 @needs_models
+@pytest.mark.parametrize("ray", [[], ["--ray"]], ids=["uvicorn", "ray"])
 @pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid", "192.0.2.1"])
-def test_serve_on_a_busy_port_or_unknown_host_fails_before_the_model_loads(capsys, no_model_loads, host):
-    """uvicorn found a busy port only after start-up (its own log lines, exit status 3). 192.0.2.1 (TEST-NET-1)
-    is no address of this machine."""
+def test_serve_on_a_busy_port_or_unknown_host_fails_before_the_model_loads(capsys, no_model_loads, monkeypatch, host,
+                                                                           ray):
+    """uvicorn found a busy port only after start-up (its own log lines, exit status 3); with --ray, after a
+    local Ray cluster had started. 192.0.2.1 (TEST-NET-1) is no address of this machine."""
     import socket
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local cluster, whose proxy binds on this machine
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        code, _, err = run_cli(capsys, "serve", "--model", str(STORIES), "--host", host, "--port", str(port))
+        code, _, err = run_cli(capsys, "serve", "--model", str(STORIES), "--host", host, "--port", str(port), *ray)
     assert_one_line_error(code, err, *(["--port", f"127.0.0.1:{port}", "in use"] if host == "127.0.0.1" else
                                        ["--host", repr(host)]))
 

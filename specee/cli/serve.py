@@ -88,9 +88,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(args.model, args.revision)  # a wrong path fails before the server starts
     app_options = dict(model_name=args.served_model_name or served_name(model_dir), api_key=args.api_key,
                        max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
+    if not (args.ray and os.environ.get("RAY_ADDRESS")):  # a remote Ray cluster's proxy binds on its own head
+        check_address(args.host, args.port)
     if args.ray:
         return serve_on_ray(args, app_options)
-    check_address(args.host, args.port)
     failed: list[str] = []
 
     def on_load_error(message: str) -> None:
