@@ -82,7 +82,7 @@ class KVCacheManager:
                 max_tokens: int) -> KVCacheManager:
         """A pool of `max_tokens`: `previous` itself where it has that size and no request holds blocks in
         it, else a new one. Why: a pool's pages are faulted in as requests first write them (SmolLM2 Q4_1,
-        AMD EPYC Zen 4: 0.42 s for the first request, then ~10 ms for each new request's run), and an LLM
+        AMD EPYC Zen 4: 0.4-0.6 s for the first request, then 10-15 ms for each new request's run), and an LLM
         that switched modes (a new engine) paid that again after every switch."""
         if (previous is not None and not previous.owned and previous.num_blocks == max(1, cls.blocks_for(max_tokens))
                 and previous.k.dtype == dtype and previous.k.device == device
