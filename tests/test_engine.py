@@ -221,11 +221,12 @@ def test_kv_manager_hands_out_consecutive_runs_and_merges_them_back(llm):
     del c
 
 
-def test_a_new_engine_takes_over_the_last_ones_pool_where_it_fits(checkpoints):
+@pytest.mark.parametrize("quantization", [None, "int4"], ids=["float", "int4"])
+def test_a_new_engine_takes_over_the_last_ones_pool_where_it_fits(checkpoints, quantization):
     """A mode switch builds a new engine on the last one's KV pool (its pages are in already), and
     decodes there as on a fresh pool; a pool of another size, of another dtype, or with a request
     still holding blocks in it is not taken over."""
-    llm = LLM(checkpoints[0], dtype="float32", quantization=None)
+    llm = LLM(checkpoints[0], dtype="float32", quantization=quantization)
     params = SamplingParams(max_tokens=9, ignore_eos=True)
     prompts = ["The quick brown fox jumps over", "two"]
     full = [o.token_ids for o in llm.generate(prompts, params)]
@@ -233,16 +234,17 @@ def test_a_new_engine_takes_over_the_last_ones_pool_where_it_fits(checkpoints):
     llm.enable_speculative(MODES["ngram"])
     assert llm.engine.kv is pool
     assert [o.token_ids for o in llm.generate(prompts, params)] == full  # greedy n-gram is lossless
-    fresh = LLM(checkpoints[0], dtype="float32", quantization=None, speculative_config=MODES["ngram"])
+    fresh = LLM(checkpoints[0], dtype="float32", quantization=quantization, speculative_config=MODES["ngram"])
     assert fresh.engine.kv is not pool and [o.token_ids for o in fresh.generate(prompts, params)] == full
     pool.allocate("held", 1)
     llm.speculative = None
     assert llm.engine.kv is not pool and llm.engine.kv.free_blocks == llm.engine.kv.num_blocks
     pool.free("held")
-    cfg, cpu = llm.model.cfg, torch.device("cpu")
-    assert KVCacheManager.reusing(pool, cfg, cpu, torch.float32, pool.capacity) is pool
-    assert KVCacheManager.reusing(pool, cfg, cpu, torch.float16, pool.capacity) is not pool
-    assert KVCacheManager.reusing(pool, cfg, cpu, torch.float32, pool.capacity + BLOCK_SIZE) is not pool
+    cfg, cpu, dtype = llm.model.cfg, torch.device("cpu"), pool.k.dtype  # float16 K/V on the int4 path
+    other = torch.float32 if dtype == torch.float16 else torch.float16
+    assert KVCacheManager.reusing(pool, cfg, cpu, dtype, pool.capacity) is pool
+    assert KVCacheManager.reusing(pool, cfg, cpu, other, pool.capacity) is not pool
+    assert KVCacheManager.reusing(pool, cfg, cpu, dtype, pool.capacity + BLOCK_SIZE) is not pool
     llm.fit_kv_cache(64)
     assert llm.engine.kv.capacity < pool.capacity
 

@@ -61,8 +61,8 @@ class KVCacheManager:
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_tokens: int):
         self.num_blocks = max(1, self.blocks_for(max_tokens))
-        slots = self.num_blocks * BLOCK_SIZE
-        shape = (cfg.num_layers, 1, cfg.num_kv_heads, slots, cfg.head_dim)
+        shape = self.pool_shape(cfg, max_tokens)
+        slots = shape[3]
         # on the CPU uninitialised (untouched memory costs nothing): `allocate` zeroes a run before handing
         # it out; on huge pages, which attention's reads stream as the weights' do (model/huge_pages.py).
         # On a GPU zeros: a graphed decode step reads the slots between its requests' runs, masked but
@@ -84,11 +84,15 @@ class KVCacheManager:
         it, else a new one. Why: a pool's pages are faulted in as requests first write them (SmolLM2 Q4_1,
         AMD EPYC Zen 4: 0.4-0.6 s for the first request, then 10-15 ms for each new request's run), and an LLM
         that switched modes (a new engine) paid that again after every switch."""
-        if (previous is not None and not previous.owned and previous.num_blocks == max(1, cls.blocks_for(max_tokens))
-                and previous.k.dtype == dtype and previous.k.device == device
-                and previous.k.shape == (cfg.num_layers, 1, cfg.num_kv_heads, previous.capacity, cfg.head_dim)):
+        if (previous is not None and not previous.owned and previous.k.dtype == dtype and previous.k.device == device
+                and previous.k.shape == cls.pool_shape(cfg, max_tokens)):
             return previous
         return cls(cfg, device, dtype, max_tokens)
+
+    @classmethod
+    def pool_shape(cls, cfg: ModelConfig, max_tokens: int) -> tuple[int, ...]:
+        """K's and V's shape for `max_tokens`: [layers, 1, kv heads, slots, head dim] (whole blocks)."""
+        return cfg.num_layers, 1, cfg.num_kv_heads, max(1, cls.blocks_for(max_tokens)) * BLOCK_SIZE, cfg.head_dim
 
     @property
     def capacity(self) -> int:
