@@ -127,12 +127,13 @@ def test_integer_sums_and_their_combination_bit_for_bit(level, unit_scales, K):
 MANY_ROWS = (1, 7, 8, 9, 15, 16, 17, 33, 63, 64, 65, 100, 257)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @torch.inference_mode()
 def test_many_rows_bit_for_bit_against_the_integer_reference_and_each_row_alone(level, threads):
     """A prompt's rows, which threads split by rows as well as by output blocks: every row's output
     equals the exact reference (inputs whose float32 combination is exact) and the row computed alone,
-    whatever rows and threads share the call; 3 output blocks, 65 groups."""
+    whatever rows and threads share the call; 3 output blocks, 65 groups (a step's 5-8 rows over 2 or 4
+    threads: half-block units; 4 threads: a share with no units; each thread quantizes a share of x)."""
     rows, K = 257, 2080
     lin, x = exact_case(K, rows, seed=K, unit_scales=True)
     lin = Int4Linear(_bf16_unpack(lin.packed).repeat(3, 1)[:192], lin.scales.repeat(3, 1)[:192],

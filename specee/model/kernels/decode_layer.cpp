@@ -129,8 +129,9 @@ class DecodeLayer {
     const auto on_tiles = [&](size_t g) {  // a prompt whose rows attend together (prompt_attention.h)
       return tiles_attend && long_prompt(causal[g], rows[g]) && k[g].scalar_type() == at::kHalf;
     };
-    // RoPE and the K/V writes of every segment first; then the rows that attend alone over their own
-    // prefix (decode rows, chains, a prefill's rows: row_attention.cpp) in parallel, each by one thread,
+    // RoPE and the K/V writes of every segment first (a decode row's in its attention units); then the rows
+    // that attend alone over their own prefix (decode rows, chains, a prefill's rows: row_attention.cpp) in
+    // parallel, each by one thread,
     // so a row's numbers do not depend on the batch; then a long prompt's rows on the tiles
     // (prompt_attention.cpp); then the other segments (trees, masks, holes), one ATen call each. A
     // prefill's rows went to ATen's flash attention: MKL's float32 GEMM ran ~160 GFLOP/s here (AMD
@@ -143,44 +144,49 @@ class DecodeLayer {
     const auto q_of = [&](size_t g) { return q_base + firsts[g] * NH * D; };
     std::vector<std::pair<int64_t, int64_t>>& alone = ws.alone;  // (segment, row within it)
     alone.clear();
+    const float* const rows_qkv = qkv.data_ptr<float>();
+    // Row i of segment g, kv head j: its group of query heads rotated into the segment's queries, its key
+    // rotated and its value written to the cache at its slot (a float16 cache's key rotated, then rounded)
+    std::vector<specee_layer::SegmentCache>& caches = ws.caches;
+    caches.resize(rows.size());
+    const auto place = [&](size_t g, int64_t i, int64_t j) {
+      const specee_layer::SegmentCache& c = caches[g];
+      const int64_t n = rows[g], r = firsts[g] + i, group = NH / NKV;
+      const float *row = rows_qkv + r * W, *cr = cs + r * D, *sr = sg + r * D;
+      for (int64_t h = j * group; h < (j + 1) * group; ++h) rope(row + h * D, cr, sr, q_of(g) + (h * n + i) * D, D);
+      const float* value = row + (NH + NKV + j) * D;
+      const int64_t at_k = j * c.k_stride + slot[r] * D, at_v = j * c.v_stride + slot[r] * D;
+      if (c.half) {
+        float k_row[256];  // (head_dim <= 256)
+        rope(row + (NH + j) * D, cr, sr, k_row, D);
+        to_half(k_row, static_cast<at::Half*>(c.k) + at_k, D);
+        to_half(value, static_cast<at::Half*>(c.v) + at_v, D);
+      } else {
+        rope(row + (NH + j) * D, cr, sr, static_cast<float*>(c.k) + at_k, D);
+        std::copy(value, value + D, static_cast<float*>(c.v) + at_v);
+      }
+    };
+    // A decode row (a segment of one row attending alone) is placed by its attention units, in parallel: done
+    // here, one thread placed 8 SmolLM2 rows in 7 us a layer while the other waited (AMD EPYC Zen 4). The rows
+    // of longer segments come first, as a row of a prompt or a chain attends to the rows before it.
+    const auto placed_by_units = [&](size_t g) { return rows[g] == 1 && attends_alone(g) && !on_tiles(g); };
     int64_t first = 0;
     for (size_t g = 0; g < rows.size(); ++g) {
       const int64_t n = rows[g];
       const at::Tensor &kc = k[g], &vc = v[g];
       TORCH_CHECK(kc.stride(3) == 1 && kc.stride(2) == D && vc.stride(3) == 1 && vc.stride(2) == D,
                   "DecodeLayer: cache rows must be contiguous per head");
-      const int64_t len = kc.size(2), ks = kc.stride(1), vs = vc.stride(1);
       const bool half = kc.scalar_type() == at::kHalf;
       TORCH_CHECK(vc.scalar_type() == kc.scalar_type() && (half || kc.scalar_type() == at::kFloat),
                   "DecodeLayer: the cache holds float32 or float16");
       firsts[g] = first;
-      float* qo = q_of(g);
-      for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[first + i] < len, "DecodeLayer: slot past the cache");
-      float* K = half ? nullptr : kc.data_ptr<float>();
-      float* V = half ? nullptr : vc.data_ptr<float>();
-      at::Half* K16 = half ? kc.data_ptr<at::Half>() : nullptr;
-      at::Half* V16 = half ? vc.data_ptr<at::Half>() : nullptr;
-      const float* rows_qkv = qkv.data_ptr<float>();
-      at::parallel_for(0, n, std::max<int64_t>(1, kGrain / W), [&](int64_t i0, int64_t i1) {
-        float k_row[256];  // a float16 cache's key row, rotated before it is rounded (head_dim <= 256)
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t r = first + i;
-          const float* row = rows_qkv + r * W;
-          for (int64_t j = 0; j < NH; ++j) rope(row + j * D, cs + r * D, sg + r * D, qo + (j * n + i) * D, D);
-          for (int64_t j = 0; j < NKV; ++j) {
-            const float* value = row + (NH + NKV + j) * D;
-            const int64_t at_k = j * ks + slot[r] * D, at_v = j * vs + slot[r] * D;
-            if (half) {
-              rope(row + (NH + j) * D, cs + r * D, sg + r * D, k_row, D);
-              to_half(k_row, K16 + at_k, D);
-              to_half(value, V16 + at_v, D);
-            } else {
-              rope(row + (NH + j) * D, cs + r * D, sg + r * D, K + at_k, D);
-              std::copy(value, value + D, V + at_v);
-            }
-          }
-        }
-      });
+      caches[g] = {kc.data_ptr(), vc.data_ptr(), kc.stride(1), vc.stride(1), half};
+      for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[first + i] < kc.size(2), "DecodeLayer: slot past the cache");
+      if (!placed_by_units(g))
+        at::parallel_for(0, n, std::max<int64_t>(1, kGrain / W), [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i)
+            for (int64_t j = 0; j < NKV; ++j) place(g, i, j);
+        });
       if (attends_alone(g) && !on_tiles(g))
         for (int64_t i = 0; i < n; ++i) alone.emplace_back(g, i);
       first += n;
@@ -212,6 +218,7 @@ class DecodeLayer {
         if (u.thread < t0 || u.thread >= t1) continue;
         const auto [g, i] = alone[u.row];
         const int64_t j = u.kv_head, len = u.len;
+        if (placed_by_units(g)) place(g, i, j);
         const at::Tensor &kc = k[g], &vc = v[g];
         const float* q = q_of(g) + i * D + j * group * rows[g] * D;
         float* o = attn.data_ptr<float>() + (firsts[g] + i) * NH * D + j * group * D;

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 
 #if defined(__x86_64__)
 #define SPECEE_X86 1  // the vector paths; elsewhere only the portable one is built
@@ -27,6 +28,20 @@
 namespace specee_int4 {
 
 constexpr int64_t kGroup = 32;  // inputs per weight group (and per int8 activation block)
+
+// Wait until `arrived` counts `all` (a spin barrier between a parallel region's threads); past a few thousand
+// spins, yield the core: with more threads than free cores the one waited for may need it
+inline void wait_for(const std::atomic<int64_t>& arrived, int64_t all) {
+  for (int spins = 0; arrived.load(std::memory_order_acquire) < all; ++spins) {
+    if (spins < 4096) {
+#ifdef SPECEE_X86
+      _mm_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
 enum Level : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 inline float bf16_to_float(uint16_t b) {
@@ -103,6 +118,10 @@ constexpr int64_t kQuantizeGrain = 16384;  // activations worth quantizing in a 
 // block's sum of q, and, if s16 is not null, the int32 sums of q per 16 inputs [M, K / 16].
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t level, int8_t* q, float* d, float* ds,
                           int32_t* s16);
+
+// The same for groups g0 .. g1 - 1 of x counted row after row (flat: group g at x + 32 g), one thread's share
+void quantize_groups(const float* x, int64_t g0, int64_t g1, int64_t level, int8_t* q, float* d, float* ds,
+                     int32_t* s16);
 
 // int8 activations (int4_q8.cpp): x [M, K] float32 or bf16 times the packed weight, float32 [M, N].
 at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t level,

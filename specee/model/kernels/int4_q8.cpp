@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "int4_common.h"
 #include "int4_matmul.h"
@@ -103,18 +104,19 @@ SPECEE_INT4_AVX512 __attribute__((always_inline)) inline void group_avx512(const
 // cache, 77 -> 111 from memory. (One tile a pass ran 147-153 in cache and 98 from memory, too little
 // arithmetic to hide the reads; 3-4 rows gain in cache and lose from memory, so they stay group by
 // group.) Both paths combine each group with add_group. tiles: the block's unpacked tiles (unpack_avx512) when
-// Unpacked, read instead of widening w's (a prompt's rows, kUnpackUnitsAvx512).
+// Unpacked, read instead of widening w's (a prompt's rows, kUnpackUnitsAvx512). half: 0 or 1 for one pass
+// (tiles 0-1 or 2-3: int4_mm_q8's half-block units), -1 for both.
 template <int R, bool Unpacked>
 SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N,
-                                    const uint8_t* tiles) {
+                                    const uint8_t* tiles, int half) {
   constexpr int T = 2;
   const int64_t G = K / kGroup;
-  for (int t0 = 0; t0 < 4; t0 += T) {
+  for (int t0 = std::max(0, 2 * half); t0 < (half < 0 ? 4 : 2 * half + 2); t0 += T) {
     __m512 f[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) f[r][t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      if (!Unpacked && t0 == 0) prefetch_group(w, sz, g, R);  // later passes find the block in cache
+      if (!Unpacked && t0 == std::max(0, 2 * half)) prefetch_group(w, sz, g, R);  // a later pass finds it in cache
       __m512i acc[R][T];
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_si512();
@@ -143,9 +145,12 @@ SPECEE_INT4_AVX512 void rows_avx512(const uint8_t* w, const uint16_t* sz, const 
 // 1-4 rows group by group, so the weights stream once; more: rows_avx512. y written.
 template <int R>
 SPECEE_INT4_AVX512 void block_avx512(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N,
-                                     const uint8_t* tiles) {
+                                     const uint8_t* tiles, int half) {
   if constexpr (R > 4) {
-    tiles ? rows_avx512<R, true>(w, sz, x, K, y, N, tiles) : rows_avx512<R, false>(w, sz, x, K, y, N, tiles);
+    if (tiles)
+      rows_avx512<R, true>(w, sz, x, K, y, N, tiles, half);
+    else
+      rows_avx512<R, false>(w, sz, x, K, y, N, tiles, half);
   } else {
     zero_rows(y, R, N);
     for (int64_t g = 0; g < K / kGroup; ++g) {
@@ -334,9 +339,9 @@ void block_portable(const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K
 
 template <int R>
 void rows_at(int64_t level, const uint8_t* w, const uint16_t* sz, const Q8& x, int64_t K, float* y, int64_t N,
-             const Block& next, const uint8_t* tiles) {
+             const Block& next, const uint8_t* tiles, int half) {
 #ifdef SPECEE_X86
-  if (level == kAvx512) return block_avx512<R>(w, sz, x, K, y, N, tiles);
+  if (level == kAvx512) return block_avx512<R>(w, sz, x, K, y, N, tiles, half);
   if constexpr (R <= kAvx2Rows)  // int4_mm_q8's units at AVX2 hold no more
     if (level == kAvx2)
       return tiles ? rows_avx2<R, true>(w, sz, x, K, y, N, next, tiles) : rows_avx2<R, false>(w, sz, x, K, y, N, next, tiles);
@@ -355,6 +360,9 @@ constexpr int64_t kUnpackUnits = 6;
 // alternating in one process: 64 rows 0.97x, 128 rows 1.03x, 256 1.04x, 512 1.03x, 1,010 1.06-1.07x.
 constexpr int64_t kUnpackUnitsAvx512 = 16;
 constexpr int64_t kUnpackMaxInputs = 4096;
+// Activations whose quantization the threads share inside a product's parallel region (int4_mm_q8): from
+// 4 SmolLM2 rows of 576 inputs (18 groups a row)
+constexpr int64_t kSplitQuantizeGroups = 72;
 
 // The calling thread's buffer for one block's unpacked tiles (K x 64 bytes), kept between calls; reached only
 // where a product unpacks, so a decode step's products do not touch it
@@ -379,27 +387,54 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   thread_local Scratch pairs_buf, sums_buf;
   int32_t* const pairs = level == kAvx2 ? pairs_buf.at_least<int32_t>(M * K / 2) : nullptr;
   int32_t* const sums = level == kAvx2 ? sums_buf.at_least<int32_t>(M * K / 16) : nullptr;
-  quantize_activations(xf.data_ptr<float>(), M, K, level, q, d, ds, sums);
-#ifdef SPECEE_X86
-  if (pairs)
-    at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K),
-                     [&](int64_t r0, int64_t r1) { pairs_avx2(q + r0 * K, (r1 - r0) * K, pairs + r0 * (K / 2)); });
-#endif
   at::Tensor y = product_output(out_rows, M, N, false);
+  const float* xs = xf.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   float* out = y.data_ptr<float>();
   // units of (64-output block, up to kMaxRows rows, kAvx2Rows at AVX2), block by block (its weights stay in
   // cache over its rows): the threads split a prompt's rows, not only its blocks (SmolLM2's 9 or 15 blocks
-  // of 64 outputs left one of two threads idle a tenth of the time)
+  // of 64 outputs left one of two threads idle a tenth of the time). Where a step's few rows (one unit a
+  // block) leave the blocks uneven over the threads, units are half blocks (AVX-512, 5-8 rows: rows_avx512's
+  // passes), so each thread takes the same share (SmolLM2's o and down: 9 blocks, 4.5 each)
+  const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t unit = level == kAvx2 ? kAvx2Rows : kMaxRows;
   const int64_t chunks = (M + unit - 1) / unit;
+  const int64_t halves = level == kAvx512 && chunks == 1 && M > 4 && blocks % threads ? 2 : 1;
+  const int64_t units = blocks * chunks * halves;
   const int64_t unpack_units = level == kAvx2 ? kUnpackUnits : level == kAvx512 ? kUnpackUnitsAvx512 : 0;
   const bool unpack = unpack_units && chunks >= unpack_units && K <= kUnpackMaxInputs;
   const auto block = [&](int64_t b) { return Block{w + b * (K / 4) * 128, sz + b * G * 128}; };
-  at::parallel_for(0, blocks * chunks, 1, [&](int64_t u0, int64_t u1) {
+  // One parallel region: each share first quantizes its part of the activations (groups of 32, row after
+  // row), meets the others, then runs its units (as at::parallel_for would split them). Why: quantized
+  // before the region, a decode step's 8 rows took one thread 9 us a SmolLM2 layer (5% of it) while the
+  // other waited. A row or two are quantized first, as before: the meeting cost one request's steps more
+  // than the split saved (AMD EPYC Zen 4, 2.92 -> 3.08 ms a SmolLM2 token).
+  const int64_t groups = M * G;
+  const bool split = threads > 1 && groups >= kSplitQuantizeGroups;
+  const auto quantize_share = [&](int64_t g0, int64_t g1) {
+    quantize_groups(xs, g0, g1, level, q, d, ds, sums);
+#ifdef SPECEE_X86
+    if (pairs) pairs_avx2(q + g0 * kGroup, (g1 - g0) * kGroup, pairs + g0 * kGroup / 2);
+#endif
+  };
+  if (!split) quantize_share(0, groups);
+  std::atomic<int64_t> quantized{split ? 0 : threads};
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    if (split) {
+      const int64_t share = (groups + threads - 1) / threads;
+      quantize_share(std::min(groups, t0 * share), std::min(groups, t1 * share));
+      quantized.fetch_add(t1 - t0, std::memory_order_acq_rel);
+      wait_for(quantized, threads);
+    }
+    const int64_t per = (units + threads - 1) / threads;
+    const int64_t h0 = std::min(units, t0 * per), h1 = std::min(units, t1 * per);
+    if (h0 == h1) return;
     uint8_t* const tiles = unpack ? thread_tiles(K) : nullptr;
+    const int64_t u0 = h0 / halves, u1 = (h1 + halves - 1) / halves;
     for (int64_t u = u0; u < u1; ++u) {
+      // a half block where the share holds one of its halves: the first (tiles 0-1) or the second (2-3)
+      const int half = halves == 1 || (2 * u >= h0 && 2 * u + 2 <= h1) ? -1 : 2 * u < h0 ? 1 : 0;
       const int64_t b = u / chunks, r = u % chunks * unit, R = std::min<int64_t>(unit, M - r);
       const Q8 rows{q + r * K, d + r * G, ds + r * G, pairs ? pairs + r * (K / 2) : nullptr,
                     sums ? sums + r * (K / 16) : nullptr};
@@ -409,7 +444,7 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
       if (unpack && (u == u0 || u % chunks == 0))  // the thread's first unit over block b
         level == kAvx2 ? unpack_avx2(own.w, K, tiles) : unpack_avx512(own.w, K, tiles);
 #endif
-      kRows[R](level, own.w, own.sz, rows, K, out + r * N + b * 64, N, next, tiles);
+      kRows[R](level, own.w, own.sz, rows, K, out + r * N + b * 64, N, next, tiles, half);
     }
   });
   return y;

@@ -33,12 +33,20 @@ class Buffer {
   at::Tensor storage_, view_;
 };
 
+// Where a segment's K and V rows go (float16 or float32 cache; strides between kv heads), read once a layer call
+struct SegmentCache {
+  void *k, *v;
+  int64_t k_stride, v_stride;
+  bool half;
+};
+
 // What a layer call's rows pass through: the normed input, q/k/v, rotated queries, attention, the
 // MLP's gate/up, activation and down; `hidden`: the two a stack's layers hand each other.
 struct Workspace {
   Buffer normed, qkv, queries, attn, gate_up, act, down, hidden[2];
   std::vector<int64_t> firsts;
   std::vector<std::pair<int64_t, int64_t>> alone;
+  std::vector<SegmentCache> caches;
 };
 
 inline Workspace& workspace() {

@@ -119,6 +119,12 @@ decltype(&quantize) quantize_at(int64_t level) {
 
 }  // namespace
 
+void quantize_groups(const float* x, int64_t g0, int64_t g1, int64_t level, int8_t* q, float* d, float* ds,
+                     int32_t* s16) {
+  if (g1 > g0)
+    quantize_at(level)(x + g0 * kGroup, g1 - g0, q + g0 * kGroup, d + g0, ds + g0, s16 ? s16 + 2 * g0 : nullptr);
+}
+
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t level, int8_t* q, float* d, float* ds,
                           int32_t* s16) {
   const int64_t G = K / kGroup;
