@@ -408,8 +408,8 @@ at::Tensor int4_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::T
   // One parallel region: each share first quantizes its part of the activations (groups of 32, row after
   // row), meets the others, then runs its units (as at::parallel_for would split them). Why: quantized
   // before the region, a decode step's 8 rows took one thread 9 us a SmolLM2 layer (5% of it) while the
-  // other waited. A row or two are quantized first, as before: the meeting cost one request's steps more
-  // than the split saved (AMD EPYC Zen 4, 2.92 -> 3.08 ms a SmolLM2 token).
+  // other waited. Fewer activations (kSplitQuantizeGroups) are quantized first, as before: for one row the
+  // meeting cost more than the split saved (AMD EPYC Zen 4, 2.92-3.05 -> 3.04-3.13 ms a SmolLM2 token).
   const int64_t groups = M * G;
   const bool split = threads > 1 && groups >= kSplitQuantizeGroups;
   const auto quantize_share = [&](int64_t g0, int64_t g1) {
