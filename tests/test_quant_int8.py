@@ -132,8 +132,8 @@ MANY_ROWS = (1, 7, 8, 9, 15, 16, 17, 33, 63, 64, 65, 100, 257)
 def test_many_rows_bit_for_bit_against_the_integer_reference_and_each_row_alone(level, threads):
     """A prompt's rows, which threads split by rows as well as by output blocks: every row's output
     equals the exact reference (inputs whose float32 combination is exact) and the row computed alone,
-    whatever rows and threads share the call; 3 output blocks, 65 groups (a step's 5-8 rows over 2 or 4
-    threads: half-block units; 4 threads: a share with no units; each thread quantizes a share of x)."""
+    whatever rows and threads share the call; 3 output blocks, 65 groups (a step's 5-8 rows on 2 threads:
+    half-block units; on 4, a thread with no units; each thread quantizes a share of x)."""
     rows, K = 257, 2080
     lin, x = exact_case(K, rows, seed=K, unit_scales=True)
     lin = Int4Linear(_bf16_unpack(lin.packed).repeat(3, 1)[:192], lin.scales.repeat(3, 1)[:192],

@@ -42,6 +42,7 @@ inline void wait_for(const std::atomic<int64_t>& arrived, int64_t all) {
     }
   }
 }
+
 enum Level : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 inline float bf16_to_float(uint16_t b) {

@@ -128,10 +128,8 @@ void quantize_groups(const float* x, int64_t g0, int64_t g1, int64_t level, int8
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t level, int8_t* q, float* d, float* ds,
                           int32_t* s16) {
   const int64_t G = K / kGroup;
-  auto* const quantize_rows = quantize_at(level);
-  at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K), [&](int64_t r0, int64_t r1) {
-    quantize_rows(x + r0 * K, (r1 - r0) * G, q + r0 * K, d + r0 * G, ds + r0 * G, s16 ? s16 + r0 * 2 * G : nullptr);
-  });
+  at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K),
+                   [&](int64_t r0, int64_t r1) { quantize_groups(x, r0 * G, r1 * G, level, q, d, ds, s16); });
 }
 
 
