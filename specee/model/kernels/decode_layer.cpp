@@ -213,29 +213,29 @@ class DecodeLayer {
       load[u.thread] += u.len + 16;  // + a unit's fixed cost
     }
     const std::vector<Unit>& plan = units;  // this thread's, named for the workers (thread_local is per thread)
+    float* const attn_base = attn.data_ptr<float>();
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
       for (const Unit& u : plan) {
         if (u.thread < t0 || u.thread >= t1) continue;
         const auto [g, i] = alone[u.row];
         const int64_t j = u.kv_head, len = u.len;
         if (placed_by_units(g)) place(g, i, j);
-        const at::Tensor &kc = k[g], &vc = v[g];
+        const specee_layer::SegmentCache& c = caches[g];
         const float* q = q_of(g) + i * D + j * group * rows[g] * D;
-        float* o = attn.data_ptr<float>() + (firsts[g] + i) * NH * D + j * group * D;
-        if (kc.scalar_type() == at::kHalf)
-          row_attention(q, rows[g] * D, kc.data_ptr<at::Half>() + j * kc.stride(1), kc.stride(1),
-                        vc.data_ptr<at::Half>() + j * vc.stride(1), vc.stride(1), len, D, group, 1, o);
+        float* o = attn_base + (firsts[g] + i) * NH * D + j * group * D;
+        if (c.half)
+          row_attention(q, rows[g] * D, static_cast<const at::Half*>(c.k) + j * c.k_stride, c.k_stride,
+                        static_cast<const at::Half*>(c.v) + j * c.v_stride, c.v_stride, len, D, group, 1, o);
         else
-          row_attention(q, rows[g] * D, kc.data_ptr<float>() + j * kc.stride(1), kc.stride(1),
-                        vc.data_ptr<float>() + j * vc.stride(1), vc.stride(1), len, D, group, 1, o);
+          row_attention(q, rows[g] * D, static_cast<const float*>(c.k) + j * c.k_stride, c.k_stride,
+                        static_cast<const float*>(c.v) + j * c.v_stride, c.v_stride, len, D, group, 1, o);
       }
     });
     for (size_t g = 0; g < rows.size(); ++g) {
       if (!on_tiles(g)) continue;
-      const at::Tensor &kc = k[g], &vc = v[g];
-      prompt_attention(q_of(g), slot[firsts[g]], rows[g], D, NH, NKV, kc.data_ptr<at::Half>(),
-                       kc.stride(1), vc.data_ptr<at::Half>(), vc.stride(1), attn.data_ptr<float>() + firsts[g] * NH * D,
-                       NH * D);
+      const specee_layer::SegmentCache& c = caches[g];  // (float16: on_tiles says so)
+      prompt_attention(q_of(g), slot[firsts[g]], rows[g], D, NH, NKV, static_cast<const at::Half*>(c.k), c.k_stride,
+                       static_cast<const at::Half*>(c.v), c.v_stride, attn_base + firsts[g] * NH * D, NH * D);
     }
     for (size_t g = 0; g < rows.size(); ++g) {
       if (attends_alone(g)) continue;
