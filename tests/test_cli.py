@@ -176,6 +176,19 @@ def test_library_value_errors_are_clean(capsys):
     assert_clean_error(code, err, "context")
 
 
+@needs_stories
+def test_early_exit_flag_errors_name_the_flags(capsys):
+    """Each combination that cannot run names the flags the user typed, not the library's field names."""
+    code, _, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--mode", "lossless")
+    assert_clean_error(code, err, "--mode lossless", "--draft")
+    code, _, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--draft", "ngram",
+                       "--mode", "lossless", "--kv-policy", "skip")
+    assert_clean_error(code, err, "--mode lossless needs --kv-policy recompute", "--kv-policy skip")
+    code, _, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 0}')
+    assert_clean_error(code, err, "--speculative-config: num_speculative_tokens")
+
+
 def test_missing_default_model_asks_for_model(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli.args, "default_model_candidates", lambda: [tmp_path / "absent"])
     code, _, err = run(capsys, "generate", "--prompt", "hi")
@@ -189,6 +202,10 @@ def test_usage_errors_exit_2(capsys):
     assert code == 2 and "positive integer" in err
     code, _, err = run(capsys, "calibrate", "-o", "x", "--draft-vocab", "-5")
     assert code == 2 and "non-negative integer" in err
+    code, _, err = run(capsys, "train-draft", "-o", "x", "--minutes", "nan")
+    assert code == 2 and "--minutes" in err and "finite number > 0" in err
+    code, _, err = run(capsys, "distill", "-o", "x.json", "--minutes", "0")
+    assert code == 2 and "--minutes" in err and "finite number > 0" in err
     code, _, err = run(capsys, "frobnicate")
     assert code == 2
 
@@ -309,11 +326,28 @@ def test_generate_and_chat_prefill_whole_prompts_and_serve_in_parts():
     server cuts long prompts into parts unless told otherwise."""
     from specee.cli import build_parser
     from specee.cli.args import scheduling
-    from specee.engine.scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_PREFILL_CHUNK
+    from specee.engine.scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK
 
     parser = build_parser()
     assert scheduling(parser.parse_args(["generate", "--prompt", "hi"])) == {"prefill_chunk": 0}
     assert scheduling(parser.parse_args(["chat"])) == {"prefill_chunk": 0}
-    assert scheduling(parser.parse_args(["serve"])) == {"max_num_batched_tokens": DEFAULT_MAX_BATCHED_TOKENS,
+    assert scheduling(parser.parse_args(["serve"])) == {"max_num_seqs": DEFAULT_MAX_NUM_SEQS,
+                                                        "max_num_batched_tokens": DEFAULT_MAX_BATCHED_TOKENS,
                                                         "prefill_chunk": DEFAULT_PREFILL_CHUNK}
     assert scheduling(parser.parse_args(["serve", "--prefill-chunk", "64"]))["prefill_chunk"] == 64
+
+
+@needs_stories
+def test_serve_max_num_seqs_reaches_the_engine_and_admission():
+    """`serve --max-num-seqs` bounds the engine's running batch (it once set only the 429 arithmetic), and
+    the server's admission counts from the same number."""
+    pytest.importorskip("fastapi")
+    from specee.cli import build_parser
+    from specee.cli.args import load_llm
+    from specee.server import create_app
+
+    args = build_parser().parse_args(["serve", "--model", str(STORIES), "--max-num-seqs", "3", "--threads", "1"])
+    llm = load_llm(args)
+    assert llm.scheduling["max_num_seqs"] == 3 and llm.engine.scheduler.max_num_seqs == 3
+    assert create_app(llm).state.specee.max_num_seqs == 3
+    llm.close()

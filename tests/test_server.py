@@ -197,6 +197,19 @@ def test_n_choices_and_several_prompts(stories):
     assert [c.text for c in two.choices] == [o.text for o in llm.generate(STORIES[:2], SamplingParams(max_tokens=8))]
 
 
+def test_tokenize_counts_chat_messages_as_the_chat_route_encodes_them(smollm):
+    """/tokenize and /v1/chat/completions share one conversion ("developer" reads as "system"), so a
+    client's count is the prompt the chat route runs."""
+    llm, server = smollm
+    messages = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": QUESTIONS[0]}]
+    status, _, body = server.request("POST", "/tokenize", {"messages": messages})
+    ids = json.loads(body)["tokens"]
+    assert status == 200 and ids == llm.tokenizer.encode_chat([{"role": "system", "content": "Answer in French."},
+                                                               messages[1]])
+    out = server.client().chat.completions.create(model="smollm2", messages=messages, max_tokens=1, temperature=0)
+    assert out.usage.prompt_tokens == len(ids)
+
+
 def test_models_tokenize_detokenize_health_and_metrics(stories):
     llm, server = stories
     assert [m.id for m in server.client().models.list().data] == ["stories"]

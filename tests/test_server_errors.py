@@ -128,8 +128,8 @@ def test_api_key(llm):
 
 
 def test_a_full_queue_answers_429_with_retry_after():
-    llm = LLM(real_model_dir("stories260K"), dtype="float32")  # its own engine thread: max_num_seqs 1
-    server = LiveServer(create_app(llm, model_name="stories", max_num_seqs=1, max_queue=1))
+    llm = LLM(real_model_dir("stories260K"), dtype="float32", max_num_seqs=1)  # one decodes, one may wait
+    server = LiveServer(create_app(llm, model_name="stories", max_queue=1))
     long = {"prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
     async def main():

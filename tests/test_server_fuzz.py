@@ -22,8 +22,8 @@ EXAMPLES = 25
 
 @pytest.fixture(scope="module")
 def live():
-    llm = LLM(real_model_dir("stories260K"), dtype="float32")
-    server = LiveServer(create_app(llm, model_name="stories", max_num_seqs=16))
+    llm = LLM(real_model_dir("stories260K"), dtype="float32", max_num_seqs=16)
+    server = LiveServer(create_app(llm, model_name="stories"))
     yield server
     server.stop()
 

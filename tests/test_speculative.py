@@ -532,7 +532,7 @@ def test_llm_and_cli_speculative_config(tiny_checkpoint, tiny_llm, capsys):
     assert report["token_ids"][: len(expected)] == expected[: len(report["token_ids"])]
     assert "speculative" in report["stats"]
     code = main(["generate", "--model", str(path), "--prompt", "x", "--speculative-config", '{"method": "x"}'])
-    assert code == 2 and "specee: error: speculative_config: method must be one of" in capsys.readouterr().err
+    assert code == 2 and "specee: error: --speculative-config: method must be one of" in capsys.readouterr().err
 
 
 # ---- a real pretrained model: SmolLM2-135M-Instruct (GGUF) ------------------------------------------

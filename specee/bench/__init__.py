@@ -1,4 +1,4 @@
-"""Benchmarks for specee: `specee bench speed | quality | oracle | sweep`.
+"""Benchmarks for specee: `specee bench speed | quality | oracle | sweep | serve`.
 
 Each benchmark is a library function taking a loaded `LLM` (so tests and notebooks can call
 it directly) plus a CLI command (`specee.bench.cli.add_bench_parser`) that loads the models,

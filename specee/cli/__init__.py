@@ -1,4 +1,5 @@
-"""The `specee` command line: `specee generate | chat | info | serve | tune` (also `python -m specee`).
+"""The `specee` command line: `specee generate | chat | info | calibrate | bench | train-draft | distill | serve |
+tune` (also `python -m specee`).
 
 Layout, so that more subcommands and flags slot in without touching the others:
 

@@ -11,7 +11,7 @@ from .outputs import exit_room_note
 PROG = "specee"
 DEFAULT_MODEL = Path("../shared/models/smollm2-135m-instruct")  # SmolLM2-135M-Instruct, a GGUF file
 REFERENCE_MODEL = "ref-target-24L"  # the project's reference target: ref-draft-4L is its default drafter
-MAX_K = 64  # speculative tokens per step (spec/config.py's MAX_SPECULATIVE_TOKENS): SpecEE uses 4
+MAX_K = 64  # speculative tokens per step (speculative/config.py's MAX_SPECULATIVE_TOKENS): SpecEE uses 4
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float16", "float32")  # model/kv_cache.py's (not imported here: parsing loads no torch)
@@ -112,8 +112,9 @@ def kv_cache_memory_arg(value: str) -> int | str:
 def add_threads_arg(group) -> None:
     """--threads, for every command that runs a model (shared with `specee bench`)."""
     group.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                       help="CPU threads (default: the fastest of 1, all but one and all cores, timed on one "
-                            "decode step at load: fewer when another process keeps the CPU busy)")
+                       help="CPU threads (default: the fastest of 1, all but one and all cores, timed on bursts of "
+                            "decode steps at load and again while decoding: fewer when another process keeps the CPU "
+                            "busy)")
 
 
 def quantization_mode(args: argparse.Namespace) -> str | None:
@@ -266,8 +267,13 @@ def early_exit_config(args: argparse.Namespace):
         return None
     if args.draft is None:
         if args.bank is not None or args.mode == "lossless":
-            raise CLIError("early exit needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
+            given = "--bank" if args.bank is not None else "--mode lossless"
+            raise CLIError(f"{given} is early exit, which needs a drafter: pass --draft DIR (a draft model) or "
+                           "--draft ngram")
         return None
+    if args.mode == "lossless" and args.kv_policy != "recompute":
+        raise CLIError(f"--mode lossless needs --kv-policy recompute (the carried rows are what verifies), "
+                       f"got --kv-policy {args.kv_policy}")
     return EarlyExitConfig(draft=str(args.draft), bank=args.bank, k=args.k, kv_policy=args.kv_policy, mode=args.mode,
                            offline_size=args.offline_size, online_window=args.online_window,
                            max_pending=args.max_pending, threshold_scale=args.threshold_scale)
@@ -335,7 +341,7 @@ def load_llm(args: argparse.Namespace):
 
 def scheduling(args: argparse.Namespace) -> dict:
     """The engine's scheduling settings the command has: serve's flags, generate's and chat's whole prompts."""
-    names = ("max_num_batched_tokens", "prefill_chunk")
+    names = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -361,11 +367,13 @@ def note(message: str) -> None:
     print(f"{PROG}: note: {message}", file=sys.stderr)
 
 
-LIBRARY_NAMES = {"max_tokens": "--max-new-tokens", "top_k": "--top-k", "top_p": "--top-p"}
+LIBRARY_NAMES = {"max_tokens": "--max-new-tokens", "top_k": "--top-k", "top_p": "--top-p",
+                 "speculative_config": "--speculative-config"}
 
 
 def cli_wording(message: str) -> str:
-    """A library message as the CLI user reads it: SamplingParams field names become the flags they typed."""
+    """A library message as the CLI user reads it: the field names of SamplingParams and speculative_config
+    become the flags they typed."""
     import re
 
     message = message.replace("max_tokens (max_new_tokens)", "max_tokens")

@@ -6,7 +6,7 @@ import errno
 import os
 import socket
 
-from ..engine.scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_PREFILL_CHUNK
+from ..engine.scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
 from .args import (CLIError, add_early_exit_args, add_model_args, add_speculative_args, load_llm, port_number,
                    positive_int, prefill_chunk_arg, resolve_model_dir)
 
@@ -29,10 +29,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         f"(default: ${API_KEY_ENV}, else none)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the checkpoint's directory or file name)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
-                   help="requests decoded at once; later ones wait (default: 64)")
-    g.add_argument("--max-queue", type=positive_int, default=512, metavar="N",
-                   help="requests that may wait; beyond it 429 with Retry-After (default: 512)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                   help=f"requests decoded at once; later ones wait (default: {DEFAULT_MAX_NUM_SEQS})")
+    g.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help=f"requests that may wait; beyond it 429 with Retry-After (default: {DEFAULT_MAX_QUEUE})")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_BATCHED_TOKENS, metavar="N",
                    help="rows a step runs: one per decoding request, plus prompt parts (a step may pass it by one "
                         f"part) (default: {DEFAULT_MAX_BATCHED_TOKENS})")
@@ -86,8 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"specee serve needs the server extra ({e.name} is missing): pip install 'specee[server]'") \
             from None
     model_dir = resolve_model_dir(args.model, args.revision)  # a wrong path fails before the server starts
+    # (--max-num-seqs reaches the engine with the LLM's other scheduling settings: args.scheduling)
     app_options = dict(model_name=args.served_model_name or served_name(model_dir), api_key=args.api_key,
-                       max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
+                       max_queue=args.max_queue)
     if not (args.ray and os.environ.get("RAY_ADDRESS")):  # a remote Ray cluster's proxy binds on its own head
         check_address(args.host, args.port)
     if args.ray:

@@ -6,8 +6,8 @@ import json
 import sys
 import time
 
-from .args import (CLIError, MAX_K, add_model_args, default_draft, load_llm, non_negative_int, positive_int,
-                   resolve_model_dir, speculative_k)
+from .args import (CLIError, MAX_K, add_model_args, default_draft, load_llm, non_negative_int, positive_float,
+                   positive_int, resolve_model_dir, speculative_k)
 from .outputs import output_dir, output_file, writable_destination
 
 
@@ -98,7 +98,7 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("-o", "--output", metavar="HEAD_DIR", type=output_dir, required=True,
                    help="directory to write the head to")
-    p.add_argument("--minutes", type=float, default=5.0, metavar="M",
+    p.add_argument("--minutes", type=positive_float, default=5.0, metavar="M",
                    help="time budget for recording and training (default: 5)")
     p.add_argument("--feature-layers", type=layer_list, default=None, metavar="I,J,K",
                    help="target layers whose outputs the head reads (default: the last, EAGLE-1; three "
@@ -116,8 +116,6 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from ..calibration import train_draft
 
-    if args.minutes <= 0:
-        raise CLIError(f"--minutes must be positive, got {args.minutes}")
     if args.dtype not in ("auto", "float32"):
         raise CLIError("train-draft trains in float32; leave --dtype out")
     args.dtype = "float32"
@@ -148,7 +146,7 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
                    help="instruction records: alpaca .json / .jsonl file or directory (default: ../shared/data/calibration)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="answer length cap (default: 256)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="answers decoded together (default: 32)")
-    p.add_argument("--minutes", type=float, default=None, metavar="M",
+    p.add_argument("--minutes", type=positive_float, default=None, metavar="M",
                    help="stop after the batch that passes this budget (default: answer every instruction)")
     p.set_defaults(func=cmd_distill)
     return p
@@ -157,8 +155,6 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
 def cmd_distill(args: argparse.Namespace) -> int:
     from ..calibration.self_distill import distill
 
-    if args.minutes is not None and args.minutes <= 0:
-        raise CLIError(f"--minutes must be positive, got {args.minutes}")
     llm = load_llm(args)
     t = time.perf_counter()
     n = distill(llm, args.output, args.data, args.max_new_tokens, args.batch_size, args.minutes)

@@ -4,7 +4,7 @@ A decoding is a plan (the rows of a request's segment) plus an acceptance rule (
 rows' logits give) plus a commit (what the cache and the request keep). The engine does the rest
 the same way for every decoding: prefill, one forward over every request's rows, one host read
 of all verdicts, stop checks. `FullDepth` is the plain one (one row, its sampled token);
-speculative decoding (speculative/decoding.py) plans a draft chain or tree.
+speculative decoding (speculative/speculative.py) plans a draft chain or tree.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_BATCHED_TOKENS = 2048  # vLLM's default with chunked prefill
 DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_MAX_QUEUE = 512  # a server's requests that may wait beyond max_num_seqs, then 429 (specee serve --max-queue)
 
 # a prompt part's fewest rows unless the whole prompt is shorter: decode_layer.cpp's kTilePromptRows,
 # from which a prompt's rows run on AMX tiles (a shorter last part would not, and would round differently)

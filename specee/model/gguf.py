@@ -31,7 +31,7 @@ from .weights import CheckpointError
 
 # GGUF `general.architecture` -> the transformers class name specee's ModelConfig uses
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-PERMUTED_QK = {"llama"}  # architectures whose converter permutes attn_q / attn_k rows
+PERMUTED_QK = {"LlamaForCausalLM"}  # architectures whose GGUF converter permutes attn_q / attn_k rows
 
 _LAYER_TENSORS = {  # GGUF per-block name -> HF per-layer name
     "attn_norm.weight": "input_layernorm.weight",
@@ -172,7 +172,7 @@ def gguf_tensor_map(cfg: ModelConfig) -> dict[str, str]:
 
 def permuted_heads(cfg: ModelConfig, gguf_name: str) -> int | None:
     """Heads to un-permute a tensor by (llama attn_q / attn_k), or None when it is stored as is."""
-    if cfg.architecture != GGUF_ARCHITECTURES["llama"]:
+    if cfg.architecture not in PERMUTED_QK:
         return None
     if ".attn_q." in gguf_name:
         return cfg.num_heads

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI
 
+from ..engine.scheduling import DEFAULT_MAX_QUEUE
 from .errors import error_body, install_error_handlers
 from .routes import router
 from .state import ServerState
@@ -67,7 +68,7 @@ async def reply(send, status: int, message: str, code: str, extra: list | None =
 
 
 def create_app(llm=None, *, load: Callable[[], object] | None = None, model_name: str = "specee",
-               api_key: str | None = None, max_num_seqs: int | None = 64, max_queue: int = 512,
+               api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_body_bytes: int = MAX_BODY_BYTES, on_load_error: Callable[[str], None] | None = None) -> FastAPI:
     """An app serving `llm`, or the LLM `load()` returns (called in a background thread at startup;
     /health answers 503 until it is there)."""
@@ -75,7 +76,7 @@ def create_app(llm=None, *, load: Callable[[], object] | None = None, model_name
 
     from .. import __version__
 
-    state = ServerState(model_name, max_num_seqs, max_queue, api_key)
+    state = ServerState(model_name, max_queue, api_key)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -76,18 +76,24 @@ async def abort_on_disconnect(request: Request, job: Job):
 
 
 # ---- requests to sequences --------------------------------------------------------------------
+def chat_ids(state: ServerState, body_messages: list) -> tuple[list[dict[str, str]], list[int]]:
+    """A request's chat messages as the template reads them ("developer" is "system") and their token ids,
+    as /v1/chat/completions encodes them and /tokenize counts them."""
+    if state.llm.tokenizer.chat_template is None:
+        raise APIError(400, f"model {state.model_name} has no chat template; use /v1/completions",
+                       "messages", "no_chat_template")
+    messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body_messages]
+    try:
+        return messages, state.llm.tokenizer.encode_chat(messages)
+    except ValueError as e:
+        raise APIError(400, f"messages: {e}", "messages", "invalid_value") from None
+
+
 def prompt_ids(state: ServerState, body: GenerationRequest) -> list[tuple[str | list[int], list[int]]]:
     llm = state.llm
     if isinstance(body, ChatCompletionRequest):
-        if llm.tokenizer.chat_template is None:
-            raise APIError(400, f"model {state.model_name} has no chat template; use /v1/completions",
-                           "messages", "no_chat_template")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                    for m in body.messages]
-        try:
-            return [(messages[-1]["content"], llm.tokenizer.encode_chat(messages))]
-        except ValueError as e:
-            raise APIError(400, f"messages: {e}", "messages", "invalid_value") from None
+        messages, ids = chat_ids(state, body.messages)
+        return [(messages[-1]["content"], ids)]
     out = []
     for p in body.prompts():
         try:

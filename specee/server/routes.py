@@ -9,7 +9,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .errors import APIError
-from .generation import generate
+from .generation import chat_ids, generate
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .state import ServerState
 
@@ -58,10 +58,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     if body.prompt is not None:
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        try:
-            ids = tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        except ValueError as e:
-            raise APIError(400, f"messages: {e}", "messages", "invalid_value") from None
+        ids = chat_ids(state, body.messages)[1]
     return {"tokens": ids, "count": len(ids), "max_model_len": state.llm.model.cfg.context_limit}
 
 

@@ -6,6 +6,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from ..engine.scheduling import DEFAULT_MAX_QUEUE
 from .errors import APIError
 from .metrics import Metrics
 
@@ -15,9 +16,9 @@ RETRY_AFTER_SECONDS = 1
 
 
 class ServerState:
-    def __init__(self, model_name: str, max_num_seqs: int | None = None, max_queue: int = 512,
-                 api_key: str | None = None):
-        self.model_name, self.max_num_seqs, self.max_queue, self.api_key = model_name, max_num_seqs, max_queue, api_key
+    def __init__(self, model_name: str, max_queue: int = DEFAULT_MAX_QUEUE, api_key: str | None = None):
+        self.model_name, self.max_queue, self.api_key = model_name, max_queue, api_key
+        self.max_num_seqs: int | None = None  # the served LLM's (its scheduler's), once attached
         self.llm = None
         self.worker = None
         self.metrics: Metrics | None = None
@@ -26,9 +27,10 @@ class ServerState:
         self.ready = threading.Event()
 
     def attach(self, llm) -> None:
-        """Serve `llm`: its engine thread takes at most max_num_seqs requests at once."""
+        """Serve `llm`: its engine decodes at most its max_num_seqs requests at once (`LLM(max_num_seqs=...)`,
+        `specee serve --max-num-seqs`); admission counts the rest as waiting."""
         worker = llm.worker
-        worker.max_num_seqs = self.max_num_seqs
+        self.max_num_seqs = llm.scheduling["max_num_seqs"]
         self.metrics = Metrics(self.model_name, lambda: worker.num_running, lambda: self.num_waiting,
                                num_layers=llm.model.cfg.num_layers)
         self.llm, self.worker = llm, worker
@@ -62,9 +64,7 @@ class ServerState:
                            "model", "model_not_found")
 
     def admit(self, count: int) -> None:
-        """Refuse with 429 when the waiting queue would pass max_queue (with no max_num_seqs, none waits here)."""
-        if self.max_num_seqs is None:
-            return
+        """Refuse with 429 when the waiting queue would pass max_queue."""
         free = max(0, self.max_num_seqs - self.worker.num_running)
         if self.num_waiting + count - free > self.max_queue:
             raise APIError(429, f"the server is at capacity ({self.num_waiting} requests waiting, "
