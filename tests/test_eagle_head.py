@@ -170,8 +170,9 @@ def test_resume_continues_the_checkpoint(llm, trained, tmp_path):
 def test_cli_train_draft_rejects_bad_arguments(tmp_path, capsys):
     from specee.cli import main
 
-    assert main(["train-draft", "--model", str(tmp_path), "-o", str(tmp_path / "h"), "--minutes", "0"]) == 2
-    assert "--minutes must be positive" in capsys.readouterr().err
+    for minutes in ("0", "nan", "inf"):
+        assert main(["train-draft", "--model", str(tmp_path), "-o", str(tmp_path / "h"), "--minutes", minutes]) == 2
+        assert "--minutes: expected a finite number > 0" in capsys.readouterr().err
     assert main(["train-draft", "-o", str(tmp_path / "h"), "--feature-layers", "a,b"]) == 2
     assert "layer indices" in capsys.readouterr().err
 

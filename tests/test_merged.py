@@ -242,7 +242,7 @@ def test_cli_generate_with_exits_inside_speculation(tiny, tmp_path, capsys):
     assert report["token_ids"] == expected
     assert report["stats"]["speculative"]["num_speculative_tokens"] == 3 and "early_exit" in report["stats"]
     assert main(base + ["--speculative-config", '{"method": "ngram", "tree": {"topk": 2}}']) == 2
-    assert "specee: error: speculative_config" in capsys.readouterr().err
+    assert "specee: error: --speculative-config: 'tree' needs a drafter" in capsys.readouterr().err
 
 
 class LayerZeroGreedy(LookupAllTokens):

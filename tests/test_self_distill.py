@@ -76,4 +76,4 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["distill", "--model", str(tmp_path), "-o", str(tmp_path / "o.json"), "--minutes", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("specee: error: ") for line in err)
-    assert "--minutes must be positive" in err[1]
+    assert "--minutes: expected a finite number > 0" in err[1]
