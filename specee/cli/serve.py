@@ -86,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"specee serve needs the server extra ({e.name} is missing): pip install 'specee[server]'") \
             from None
     model_dir = resolve_model_dir(args.model, args.revision)  # a wrong path fails before the server starts
-    # (--max-num-seqs reaches the engine with the LLM's other scheduling settings: args.scheduling)
+    # (--max-num-seqs reaches the engine with the LLM's other scheduling settings: cli/args.py's scheduling)
     app_options = dict(model_name=args.served_model_name or served_name(model_dir), api_key=args.api_key,
                        max_queue=args.max_queue)
     if not (args.ray and os.environ.get("RAY_ADDRESS")):  # a remote Ray cluster's proxy binds on its own head

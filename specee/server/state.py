@@ -18,7 +18,6 @@ RETRY_AFTER_SECONDS = 1
 class ServerState:
     def __init__(self, model_name: str, max_queue: int = DEFAULT_MAX_QUEUE, api_key: str | None = None):
         self.model_name, self.max_queue, self.api_key = model_name, max_queue, api_key
-        self.max_num_seqs: int | None = None  # the served LLM's (its scheduler's), once attached
         self.llm = None
         self.worker = None
         self.metrics: Metrics | None = None
@@ -30,7 +29,6 @@ class ServerState:
         """Serve `llm`: its engine decodes at most its max_num_seqs requests at once (`LLM(max_num_seqs=...)`,
         `specee serve --max-num-seqs`); admission counts the rest as waiting."""
         worker = llm.worker
-        self.max_num_seqs = llm.scheduling["max_num_seqs"]
         self.metrics = Metrics(self.model_name, lambda: worker.num_running, lambda: self.num_waiting,
                                num_layers=llm.model.cfg.num_layers)
         self.llm, self.worker = llm, worker
@@ -47,6 +45,11 @@ class ServerState:
                     on_error(self.load_error)
 
         threading.Thread(target=run, name="specee-load", daemon=True).start()
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The served LLM's, read where admission counts (a later `set_scheduling` changes it)."""
+        return self.llm.scheduling["max_num_seqs"]
 
     @property
     def num_waiting(self) -> int:
