@@ -147,6 +147,30 @@ def test_a_full_queue_answers_429_with_retry_after():
     assert refused[0].response.headers["retry-after"] == "1" and refused[0].body["code"] == "queue_full"
 
 
+def test_max_num_seqs_bounds_what_runs_and_the_rest_wait():
+    """The engine decodes at most max_num_seqs (LLM's, `serve --max-num-seqs`); /metrics says so: the others
+    count as waiting, not running (the gauge once counted every request handed to the engine)."""
+    llm = LLM(real_model_dir("stories260K"), dtype="float32", max_num_seqs=2)
+    server = LiveServer(create_app(llm, model_name="stories"))
+    body = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    seen: list[tuple[float, float]] = []
+
+    async def main():
+        async with server.async_client() as client:
+            calls = asyncio.gather(*(client.completions.create(model="stories", **body) for _ in range(6)))
+            while not calls.done():
+                seen.append((server.metric("specee:num_requests_running"), server.metric("specee:num_requests_waiting")))
+                await asyncio.sleep(0.01)
+            return await calls
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        server.stop()
+    assert [o.usage.completion_tokens for o in outs] == [300] * 6
+    assert max(r for r, _ in seen) == 2 and max(w for _, w in seen) >= 1, seen
+
+
 def test_health_is_503_while_loading(llm):
     loaded = threading.Event()
 

@@ -126,12 +126,10 @@ class EngineThread:
         self._commands.put(("abort", request_id))
 
     @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Requests the engine decodes now: its scheduler's running ones. The others it holds wait their
+        turn (max_num_seqs, the KV-cache budget), as do those not yet given to it."""
+        return len(self.engine.scheduler.running)
 
     def stop(self, timeout: float | None = None) -> None:
         """End the thread after aborting what is in flight (from the thread itself: without waiting)."""
