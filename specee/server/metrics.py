@@ -20,10 +20,10 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": r}
         self.model_name = model_name
-        self.running = Gauge("specee:num_requests_running", "Requests handed to the engine (at most --max-num-seqs)",
+        self.running = Gauge("specee:num_requests_running", "Requests the engine decodes now (at most --max-num-seqs)",
                              **label)
         self.running.labels(model_name).set_function(running)
-        self.waiting = Gauge("specee:num_requests_waiting", "Requests waiting for a place in the engine", **label)
+        self.waiting = Gauge("specee:num_requests_waiting", "Requests waiting for one of those places", **label)
         self.waiting.labels(model_name).set_function(waiting)
         self.prompt_tokens = Counter("specee:prompt_tokens", "Prefill tokens processed", **label)
         self.generation_tokens = Counter("specee:generation_tokens", "Generated tokens", **label)
