@@ -261,7 +261,7 @@ def default_draft(model_dir: Path) -> Path | None:
 
 def early_exit_config(args: argparse.Namespace):
     """The EarlyExitConfig the flags ask for, or None for full depth."""
-    from ..exit.config import EarlyExitConfig
+    from ..exit.config import LOSSLESS_KV_POLICY, EarlyExitConfig
 
     if getattr(args, "no_exit", True):
         return None
@@ -271,8 +271,8 @@ def early_exit_config(args: argparse.Namespace):
             raise CLIError(f"{given} is early exit, which needs a drafter: pass --draft DIR (a draft model) or "
                            "--draft ngram")
         return None
-    if args.mode == "lossless" and args.kv_policy != "recompute":
-        raise CLIError(f"--mode lossless needs --kv-policy recompute (the carried rows are what verifies), "
+    if args.mode == "lossless" and args.kv_policy != LOSSLESS_KV_POLICY:  # EarlyExitConfig's rule, in flags
+        raise CLIError(f"--mode lossless needs --kv-policy {LOSSLESS_KV_POLICY} (the carried rows are what verifies), "
                        f"got --kv-policy {args.kv_policy}")
     return EarlyExitConfig(draft=str(args.draft), bank=args.bank, k=args.k, kv_policy=args.kv_policy, mode=args.mode,
                            offline_size=args.offline_size, online_window=args.online_window,

@@ -62,6 +62,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_running(self) -> int:
+        """Requests its steps decode now (the scheduler's running ones; the others it holds wait)."""
+        return len(self.scheduler.running)
+
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """One step of every running request (newcomers: their prefill); returns those that finished."""

@@ -129,7 +129,7 @@ class EngineThread:
     def num_running(self) -> int:
         """Requests the engine decodes now: its scheduler's running ones. The others it holds wait their
         turn (max_num_seqs, the KV-cache budget), as do those not yet given to it."""
-        return len(self.engine.scheduler.running)
+        return self.engine.num_running()
 
     def stop(self, timeout: float | None = None) -> None:
         """End the thread after aborting what is in flight (from the thread itself: without waiting)."""

@@ -9,6 +9,7 @@ from .kv_policy import POLICY_CLASSES
 
 KVPolicyName = Literal["skip", "propagate", "recompute"]
 KV_POLICIES = tuple(POLICY_CLASSES)
+LOSSLESS_KV_POLICY = "recompute"  # the one policy lossless mode runs: the carried rows are what verifies
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class EarlyExitConfig:
             raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
         if self.mode not in ("lossy", "lossless"):
             raise ValueError(f"mode must be 'lossy' or 'lossless', got {self.mode!r}")
-        if self.mode == "lossless" and self.kv_policy != "recompute":
+        if self.mode == "lossless" and self.kv_policy != LOSSLESS_KV_POLICY:
             raise ValueError("lossless mode needs kv_policy='recompute' (the carried rows are what verifies)")
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
