@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import clone_checkpoint, edit_json
@@ -242,6 +243,20 @@ def test_token_ids_out_of_range(llm):
     vocab = llm.model.cfg.vocab_size
     with pytest.raises(ValueError, match=rf"prompt token ids out of range \[0, {vocab}\): \[{vocab}, -1\]"):
         llm.generate([[1, vocab, -1]], SamplingParams(max_tokens=2))
+
+
+def test_a_float_token_id_is_refused_alone(llm):
+    """A float id used to pass the range check and fail the embedding inside the step of every running request."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    running = llm.stream([3, 4, 5], params)
+    first = next(running)
+    with pytest.raises(TypeError, match="prompt token ids must be integers, got float"):
+        llm.generate([5, 1.5], SamplingParams(max_tokens=2))
+    text = first + "".join(running)
+    assert llm.last_output.finish_reason == "length"
+    alone = llm.generate([[3, 4, 5]], params)[0]
+    assert text == alone.text
+    assert llm.generate([[np.int64(3), 4, 5]], params)[0].token_ids == alone.token_ids  # numpy integers are ids
 
 
 def test_params_list_length_mismatch(llm):

@@ -127,6 +127,23 @@ def test_api_key(llm):
         server.stop()
 
 
+def test_a_request_larger_than_the_kv_cache_is_a_400_naming_max_tokens():
+    """It used to pass validation and fail on the engine thread: a 500, or a 200 stream with an error event."""
+    server = LiveServer(create_app(LLM(real_model_dir("stories260K"), dtype="float32", kv_cache_memory=64),
+                                   model_name="stories"))
+    try:
+        for body in (with_(COMPLETION, max_tokens=100), with_(COMPLETION, max_tokens=100, stream=True),
+                     {"model": "stories", "prompt": "Once upon a time"}):  # no max_tokens: the rest of the context
+            status, _, raw = server.request("POST", "/v1/completions", body)
+            error = json.loads(raw)["error"]
+            assert status == 400 and error["param"] == "max_tokens", error
+            assert "the KV cache holds 64 tokens" in error["message"] and "--kv-cache-memory" in error["message"]
+        out = server.client().completions.create(model="stories", prompt="Once upon a time", max_tokens=8)
+        assert out.choices[0].finish_reason == "length"
+    finally:
+        server.stop()
+
+
 def test_a_full_queue_answers_429_with_retry_after():
     llm = LLM(real_model_dir("stories260K"), dtype="float32", max_num_seqs=1)  # one decodes, one may wait
     server = LiveServer(create_app(llm, model_name="stories", max_queue=1))

@@ -104,7 +104,8 @@ def prompt_ids(state: ServerState, body: GenerationRequest) -> list[tuple[str | 
 
 
 def sequences(state: ServerState, body: GenerationRequest) -> list[Sequence]:
-    """n sequences per prompt (seeded ones with seed, seed + 1, ...), each checked against the context."""
+    """n sequences per prompt (seeded ones with seed, seed + 1, ...), each checked against the context and
+    the KV cache."""
     llm, limit = state.llm, state.llm.model.cfg.context_limit
     field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     budget_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
@@ -119,8 +120,12 @@ def sequences(state: ServerState, body: GenerationRequest) -> list[Sequence]:
         if len(ids) + budget > limit:
             raise APIError(400, f"{budget_field}: prompt ({len(ids)} tokens) + {budget_field} ({budget}) exceeds "
                                 f"the model's context of {limit} tokens", budget_field, "context_length_exceeded")
-        seqs += [Sequence(prompt, ids, body.sampling_params(budget, j), llm.tokenizer, llm.eos_ids)
-                 for j in range(body.n)]
+        batch = [Sequence(prompt, ids, body.sampling_params(budget, j), llm.tokenizer, llm.eos_ids) for j in range(body.n)]
+        try:  # the cache's size (--kv-cache-memory), before the engine thread would refuse it as a 500
+            llm.engine.check(batch[0])
+        except ValueError as e:
+            raise APIError(400, f"{budget_field}: {e}", budget_field, "invalid_value") from None
+        seqs += batch
     return seqs
 
 
