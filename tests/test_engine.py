@@ -261,6 +261,20 @@ def test_kv_budget_is_parsed_from_tokens_or_a_size(llm):
             parse_kv_budget(bad, cfg, dtype)
 
 
+def test_the_default_pool_holds_a_full_context_request_with_its_draft_rows(checkpoints, monkeypatch):
+    """Where one context's K/V passes the default 1 GiB, the pool was exactly one context: a request of
+    the whole context never fitted beside speculation's draft rows (here: the default made one byte)."""
+    import specee.engine.kv_manager as kv_manager
+
+    monkeypatch.setattr(kv_manager, "DEFAULT_KV_MEMORY", 1)
+    llm = LLM(checkpoints[0], dtype="float32", quantization=None, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    limit, extra = llm.model.cfg.context_limit, llm.engine.decoding.extra_rows
+    assert extra == 5 and llm.engine.kv.capacity >= limit + extra
+    prompt = [3, 4, 5, 6]
+    out = llm.generate([prompt], SamplingParams(max_tokens=limit - len(prompt), ignore_eos=True))[0]
+    assert len(out.token_ids) == limit - len(prompt) and out.finish_reason == "length"
+
+
 def test_kv_cache_memory_flag(capsys):
     """--kv-cache-memory sizes the pool from the command line: a bad value is one line before any
     work; a pool too small for the request is refused with the flag named; a fitting one serves."""

@@ -40,7 +40,8 @@ class Engine:
         self.model = model
         self.decoding = decoding or FullDepth(model)
         self.kv = KVCacheManager.reusing(kv, model.cfg, model.device, model.kv_dtype,
-                                         parse_kv_budget(kv_cache_memory, model.cfg, model.kv_dtype))
+                                         parse_kv_budget(kv_cache_memory, model.cfg, model.kv_dtype,
+                                                         self.decoding.extra_rows))
         self.runner = ModelRunner(model, DecodeGraphs(model, self.kv) if model.device.type == "cuda" else None)
         self.scheduler = Scheduler(self.kv, model.cfg.context_limit, self.decoding.extra_rows, max_num_seqs,
                                    max_num_batched_tokens, prefill_chunk, self.decoding.prefill_length)

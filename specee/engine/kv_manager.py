@@ -32,12 +32,13 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """The pool's size in tokens from `--kv-cache-memory`: None (the default), a token count (int),
-    or bytes as a string with a unit ("512MiB", "2GB", "1.5GiB")."""
+def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtype, extra_rows: int = 0) -> int:
+    """The pool's size in tokens from `--kv-cache-memory`: None (the default: at least one full-context
+    request with the decoding's `extra_rows`), a token count (int), or bytes as a string with a unit
+    ("512MiB", "2GB", "1.5GiB")."""
     per_token = kv_bytes_per_token(cfg, dtype)
     if value is None:
-        return max(cfg.context_limit, DEFAULT_KV_MEMORY // per_token)
+        return max(cfg.context_limit + extra_rows, DEFAULT_KV_MEMORY // per_token)
     if isinstance(value, int) and not isinstance(value, bool):
         tokens = value
     elif isinstance(value, str):
