@@ -79,6 +79,7 @@ def test_greedy_chat_streamed_and_generate_agree_with_usage(smollm, mode):
         assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
         stats = full.model_extra["specee"]["choices"][0]
         assert stats["generated_tokens"] == len(want.token_ids)
+        assert stats["threads"] == want.stats.threads == llm.threads.choice.threads >= 1  # was 0 when served
         if mode == "ngram":
             assert 0 <= stats["speculative"]["acceptance_rate"] <= 1
     assert server.metric("specee:spec_decode_num_drafts_total") > 0 or mode == "full_depth"

@@ -253,8 +253,6 @@ class LLM:
         seqs = [Sequence(p, self.encode(p, chat), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
         for s in seqs:  # the synchronous API refuses, before any work, a request that cannot run
             self.engine.check(s)
-        for s in seqs:  # (the engine thread measures again between steps once due)
-            s.stats.ran_on(self.threads.choice)
         return seqs
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],

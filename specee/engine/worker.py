@@ -191,6 +191,8 @@ class EngineThread:
                 self.engine.add_request(seq)
             if self._guard(add, [handle], "admission") and not handle.seq.finished:
                 self._running[handle.request_id] = handle
+                if self.threads is not None:  # what it decodes with (a later change: _step)
+                    handle.seq.stats.ran_on(self.threads.choice)
             else:
                 handle._emit()
 
