@@ -261,6 +261,22 @@ def test_kv_budget_is_parsed_from_tokens_or_a_size(llm):
             parse_kv_budget(bad, cfg, dtype)
 
 
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_lossy_early_exit_times_its_prefill_with_every_part(checkpoints, chunk):
+    """Its first pass rides on the prompt's last part, and the stats used to say prefill 0 s: the time
+    went to decoding (one part), or nowhere (earlier parts)."""
+    from ee_helpers import exit_decoding
+
+    llm = LLM(checkpoints[0], dtype="float32", quantization=None, prefill_chunk=chunk)
+    llm.early_exit = exit_decoding(llm, EXIT_MODES["exit_recompute"])
+    prompt = [3 + i % 50 for i in range(100)]  # 4 parts of 32 rows or more where chunked
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    stats = out.stats
+    assert len(out.token_ids) == 6 and stats.decode_tokens == 5  # the first token came with the prefill
+    assert stats.prefill_seconds > 0 and stats.decode_seconds > 0
+    assert stats.prefill_seconds + stats.decode_seconds <= stats.finish_time - stats.scheduled_time + 1e-3
+
+
 def test_the_default_pool_holds_a_full_context_request_with_its_draft_rows(checkpoints, monkeypatch):
     """Where one context's K/V passes the default 1 GiB, the pool was exactly one context: a request of
     the whole context never fitted beside speculation's draft rows (here: the default made one byte)."""

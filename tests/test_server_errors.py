@@ -188,6 +188,31 @@ def test_max_num_seqs_bounds_what_runs_and_the_rest_wait():
     assert max(r for r, _ in seen) == 2 and max(w for _, w in seen) >= 1, seen
 
 
+def test_a_request_aborted_while_it_waits_counts_no_prompt_tokens_and_its_latency():
+    """/metrics counted the prompt tokens of requests that never ran, and left out the latency of one aborted
+    before admission (it had no finish time)."""
+    llm = LLM(real_model_dir("stories260K"), dtype="float32", max_num_seqs=1)
+    server = LiveServer(create_app(llm, model_name="stories"))
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    try:
+        running = threading.Thread(target=server.client().completions.create, kwargs={"model": "stories", **body})
+        running.start()
+        while server.metric("specee:num_requests_running") < 1:
+            time.sleep(0.01)
+        with pytest.raises(openai.APITimeoutError):  # gives up while the other one decodes
+            server.client(timeout=0.3).completions.create(model="stories", **body)
+        running.join(60)
+        deadline = time.monotonic() + 5
+        while server.metric("specee:request_success_total", 'finished_reason="abort"') < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.metric("specee:request_success_total", 'finished_reason="length"') == 1
+        assert server.metric("specee:request_success_total", 'finished_reason="abort"') == 1
+        assert server.metric("specee:prompt_tokens_total") == len(llm.encode("Once upon a time"))
+        assert server.metric("specee:e2e_request_latency_seconds_count") == 2
+    finally:
+        server.stop()
+
+
 def test_health_is_503_while_loading(llm):
     loaded = threading.Event()
 

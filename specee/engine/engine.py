@@ -101,7 +101,7 @@ class Engine:
         r.prefill_done, n = end, self.decoding.prefill_length(r.seq)
         if end < n or n == len(r.seq.prompt_ids):  # more parts to come, or the last row gives the first token
             return prefill
-        self._start(r, [], None, device_time(self.model.device))
+        self._start(r, [], None)
         return prefill + [self.decoding.plan(r)]
 
     @staticmethod
@@ -140,21 +140,25 @@ class Engine:
                 r.seq.append(NONFINITE_TOKEN)
                 continue
             if r.prefilled:
+                first = not r.seq.output_ids  # a lossy first pass that rode on its prompt's last part
                 emitted = self.decoding.commit(r, verdict, feats)
             elif r.prefill_done < len(r.seq.prompt_ids):  # a part of its prompt: its K/V written, no token yet
                 if feats is not None:
                     r.prompt_features.append(feats)
                 continue
             else:
-                emitted = verdict
+                first, emitted = True, verdict
                 if r.prompt_features:
                     feats = torch.cat([*r.prompt_features, feats])
-                self._start(r, verdict, feats, now)
-                r.seq.stats.prefill_seconds = now - r.prefill_since
+                self._start(r, verdict, feats)
+            before = len(r.seq.output_ids)
             for token in emitted:
                 r.seq.append(token)
                 if r.seq.finished:
                     break
+            if first:  # the prefill (all its parts) ends with this forward; decoding is timed from here
+                r.seq.stats.prefill_seconds, r.decode_since = now - r.prefill_since, now
+                r.first_tokens = len(r.seq.output_ids) - before
             if emitted:
                 r.last = emitted[-1]
             total += len(emitted)
@@ -200,12 +204,11 @@ class Engine:
             return h[spans[0].start : spans[-1].stop]
         return h.index_select(0, torch.cat([torch.arange(p.start, p.stop) for p in spans]).to(h.device))
 
-    def _start(self, r: Running, first: list[int], features: torch.Tensor | None, now: float) -> None:
+    def _start(self, r: Running, first: list[int], features: torch.Tensor | None) -> None:
         """The request's prefill is done (its first token, if the prefill gave one); its decoding starts."""
         r.prefilled = True
         r.last = first[0] if first else r.seq.prompt_ids[-1]
         r.cache.length = self.decoding.prefill_length(r.seq)
-        r.decode_since = now
         self.decoding.start(r, features)
 
     def _settle(self, r: Running) -> None:
@@ -213,6 +216,5 @@ class Engine:
         stats = r.seq.stats
         if r.prefilled:
             stats.decode_seconds = device_time(self.model.device) - r.decode_since
-            from_prefill = self.decoding.prefill_length(r.seq) == len(r.seq.prompt_ids)  # the first token came from it
-            stats.decode_tokens = max(len(r.seq.output_ids) - from_prefill, 0)
+            stats.decode_tokens = len(r.seq.output_ids) - r.first_tokens
             stats.speculative = self.decoding.stats(r, stats.decode_seconds)

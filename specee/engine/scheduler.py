@@ -67,6 +67,7 @@ class Running:
     last: int = -1  # the last emitted token, whose K/V the next step writes
     state: Any = None  # the decoding's per-request state (a drafter, speculation stats, this step's draft)
     decode_since: float = 0.0
+    first_tokens: int = 0  # what the forward that ended its prefill emitted (counted as the prefill's)
 
 
 class Scheduler:
@@ -147,7 +148,5 @@ class Scheduler:
             self.kv.free(seq.request_id)
         else:  # by identity: two requests with the same prompt and parameters compare equal
             self.waiting = deque(s for s in self.waiting if s is not seq)
-        if not seq.finished:
-            seq.finish_reason = "abort"
-            seq.stats.finish_time = time.monotonic()
+        seq.abort()
         return running

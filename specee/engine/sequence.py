@@ -16,7 +16,7 @@ class RequestStats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    decode_tokens: int = 0  # tokens produced by decode steps (full depth: all but the prefill's one)
+    decode_tokens: int = 0  # tokens of the decode steps: all but what the forward ending the prefill emitted
     threads: int = 0  # CPU threads the request ran with (torch's setting)
     thread_probe_ms: dict[int, float] | None = None  # chosen automatically: a decode step's median per count tried
     early_exit: dict[str, Any] | None = None  # filled by the early-exit and lossless loops
@@ -123,6 +123,12 @@ class Sequence:
         self.error = message
         self.finish_reason = "error"
         self.stats.finish_time = time.monotonic()
+
+    def abort(self) -> None:
+        """End the request as aborted (a closed stream, a client gone), unless it has ended already."""
+        if not self.finished:
+            self.finish_reason = "abort"
+            self.stats.finish_time = time.monotonic()
 
     def append(self, token: int) -> None:
         """Accept one generated token and decide whether the request is done. NONFINITE_TOKEN (the

@@ -178,8 +178,7 @@ class EngineThread:
             del self._running[handle.request_id]
         else:
             self._waiting.remove(handle)
-        if not seq.finished:
-            seq.finish_reason = "abort"
+        seq.abort()
         handle._emit()
 
     def _admit(self) -> None:

@@ -61,7 +61,8 @@ class Metrics:
     def finished(self, out: RequestOutput) -> None:
         m, st = self.model_name, out.stats
         self.success.labels(m, out.finish_reason).inc()
-        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        if st.scheduled_time is not None:  # its prefill ran (not one refused or aborted while it waited)
+            self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(m).inc(len(out.token_ids))
         if st.time_to_first_token is not None:
             self.ttft.labels(m).observe(st.time_to_first_token)
