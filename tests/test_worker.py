@@ -10,7 +10,7 @@ from conftest import real_model_dir
 
 from specee import LLM, SamplingParams
 from specee.engine.sequence import Sequence
-from specee.engine.worker import asyncio_sink
+from specee.engine.worker import loop_sink
 from specee.model.kv_cache import ContextLengthError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -112,7 +112,7 @@ def test_abort_by_request_id(llm):
 def test_asyncio_consumers_share_one_queue(llm, answers):
     async def main() -> list[str]:
         queue: asyncio.Queue = asyncio.Queue()
-        sink = asyncio_sink(asyncio.get_running_loop(), queue)
+        sink = loop_sink(asyncio.get_running_loop(), queue.put_nowait)
         for i, p in enumerate(PROMPTS[:4]):
             llm.worker.submit(Sequence(p, llm.encode(p), PARAMS, llm.tokenizer, llm.eos_ids), sink, tag=i)
         texts, left = [""] * 4, 4

@@ -259,7 +259,8 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or a batch (one SamplingParams, or one per prompt), on the engine
-        thread beside whatever else runs there. A request that fails raises its error here."""
+        thread beside whatever else runs there. A request that cannot run, or whose step raises, raises
+        its error here; one whose logits turn NaN or Inf returns with finish_reason "error" and `error` set."""
         self.calibrate()
         seqs = self._sequences(prompts, sampling_params, chat)
         worker = self.worker

@@ -2,8 +2,8 @@
 
 Only this thread touches the engine (`add_request`, `step`, `abort`): `submit` and `abort` queue
 commands to it. After each step every live request gets a `Delta` (its new token ids and text) on
-its own sink: a thread-safe queue for plain threads, or an asyncio queue fed through
-`loop.call_soon_threadsafe` for a server. A request whose validation, admission or step raises
+its own sink: a thread-safe queue for plain threads, or a callback run on an event loop (`loop_sink`:
+the server's, or an asyncio queue's `put_nowait`). A request whose validation, admission or step raises
 ends with `seq.fail(message)`; the thread itself never dies from a request.
 """
 from __future__ import annotations
@@ -39,9 +39,10 @@ class Delta:
         return self.output is not None
 
 
-def asyncio_sink(loop: asyncio.AbstractEventLoop, target: asyncio.Queue) -> Callable[[Delta], None]:
-    """A sink that hands deltas to an asyncio queue from the engine thread."""
-    return lambda delta: loop.call_soon_threadsafe(target.put_nowait, delta)
+def loop_sink(loop: asyncio.AbstractEventLoop, callback: Callable[[Delta], None]) -> Callable[[Delta], None]:
+    """A sink that calls `callback` with each delta on the event loop `loop` (the engine thread only queues
+    the call): an asyncio queue's `put_nowait`, or the server's per-request bookkeeping."""
+    return lambda delta: loop.call_soon_threadsafe(callback, delta)
 
 
 class RequestHandle:

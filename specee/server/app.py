@@ -76,7 +76,7 @@ def create_app(llm=None, *, load: Callable[[], object] | None = None, model_name
 
     from .. import __version__
 
-    state = ServerState(model_name, max_queue, api_key)
+    state = ServerState(model_name, max_queue)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.sequence import RequestOutput, Sequence
-from ..engine.worker import Delta
+from ..engine.worker import Delta, loop_sink
 from .errors import APIError, error_body
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from .state import ServerState
@@ -31,8 +31,7 @@ class Job:
         self.outputs: list[RequestOutput | None] = [None] * len(seqs)
         self.last_token_at: list[float | None] = [None] * len(seqs)
         state.inflight += len(seqs)
-        self.handles = state.worker.submit_all(seqs, lambda d: loop.call_soon_threadsafe(self._arrive, d),
-                                               list(range(len(seqs))))
+        self.handles = state.worker.submit_all(seqs, loop_sink(loop, self._arrive), list(range(len(seqs))))
 
     def _arrive(self, d: Delta) -> None:
         now, i = time.monotonic(), d.tag

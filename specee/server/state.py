@@ -16,8 +16,8 @@ RETRY_AFTER_SECONDS = 1
 
 
 class ServerState:
-    def __init__(self, model_name: str, max_queue: int = DEFAULT_MAX_QUEUE, api_key: str | None = None):
-        self.model_name, self.max_queue, self.api_key = model_name, max_queue, api_key
+    def __init__(self, model_name: str, max_queue: int = DEFAULT_MAX_QUEUE):
+        self.model_name, self.max_queue = model_name, max_queue
         self.llm = None
         self.worker = None
         self.metrics: Metrics | None = None
