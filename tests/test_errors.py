@@ -71,6 +71,20 @@ def test_missing_shard(tiny_checkpoint, tmp_path):
         LLM(path)
 
 
+@pytest.mark.parametrize("index,reason", [
+    ("{}", r"no 'weight_map'"),
+    ('{"weight_map": ', "Expecting value"),
+    ('{"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}', "shard file names in its directory"),
+    ('{"weight_map": []}', "shard file names in its directory"),
+])
+def test_a_malformed_shard_index_is_one_line_naming_it(tiny_checkpoint, tmp_path, index, reason):
+    path = clone(tiny_checkpoint("sharded"), tmp_path)
+    (path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=rf"model.safetensors.index.json: .*{reason}") as e:
+        LLM(path)
+    assert "\n" not in str(e.value)
+
+
 def test_weights_that_do_not_fit_the_config(ckpt, tmp_path):
     path = clone(ckpt, tmp_path)
     edit_json(path / "config.json", intermediate_size=128)

@@ -20,8 +20,7 @@ class CheckpointError(ValueError):
 def find_weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
+        files = sorted({model_dir / f for f in shard_names(index)})
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{model_dir}: shards listed in {index.name} are missing: {', '.join(missing)}")
@@ -35,6 +34,19 @@ def find_weight_files(model_dir: Path) -> list[Path]:
             "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
         )
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json found")
+
+
+def shard_names(index: Path) -> set[str]:
+    """The shard files a safetensors index lists (its weight_map's values: names in its directory)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        reason = f"no {e}" if isinstance(e, KeyError) else " ".join(str(e).split())
+        raise CheckpointError(f"{index}: not a valid safetensors index ({reason})") from None
+    names = set(weight_map.values()) if isinstance(weight_map, dict) else None
+    if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names in its directory")
+    return names
 
 
 @contextmanager
