@@ -162,7 +162,7 @@ def test_online_window_and_threshold_scale_checked_in_python():
 
     with pytest.raises(ValueError, match="threshold_scale must be > 0 and finite, got nan"):
         EarlyExitConfig(draft="ngram", threshold_scale=float("nan"))
-    with pytest.raises(ValueError, match="online_window must be >= 0"):
+    with pytest.raises(ValueError, match="online_window must be an integer >= 0"):
         EarlyExitConfig(draft="ngram", online_window=-1)
 
 

@@ -17,6 +17,8 @@ class EarlyExitConfig:
     """How early exit runs. `bank`/`draft` name files; the LLM resolves them.
 
     draft: a draft model directory, or "ngram" for the training-free prompt-lookup drafter.
+    mode: "lossy" emits an exit layer's argmax where it exits (greedy there, whatever the sampling
+    parameters); "lossless" checks each exited token against the full model (exact, sampled too).
     bank: a predictor bank directory; None calibrates one (and caches it) on first use.
     max_pending: most carried rows (recompute) or unverified positions (lossless) before a
     forced full-depth step; threshold_scale multiplies the bank's thresholds' distance from 1
@@ -49,16 +51,15 @@ class EarlyExitConfig:
             raise ValueError(f"mode must be 'lossy' or 'lossless', got {self.mode!r}")
         if self.mode == "lossless" and self.kv_policy != LOSSLESS_KV_POLICY:
             raise ValueError("lossless mode needs kv_policy='recompute' (the carried rows are what verifies)")
-        if self.k < 1:
-            raise ValueError(f"k must be >= 1, got {self.k}")
-        if self.max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        for name, least in (("k", 1), ("max_pending", 1), ("online_window", 0), ("online_radius", 0),
+                            ("num_draft_tokens", 0), ("offline_size", 1)):
+            value = getattr(self, name)
+            if value is None and name == "offline_size":  # every layer the bank ranks
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if not 0 < self.threshold_scale < float("inf"):
             raise ValueError(f"threshold_scale must be > 0 and finite, got {self.threshold_scale}")
-        if self.online_window < 0:
-            raise ValueError(f"online_window must be >= 0, got {self.online_window}")
-        if self.num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if not self.check_cost >= 0:
             raise ValueError(f"check_cost must be >= 0, got {self.check_cost}")
 
