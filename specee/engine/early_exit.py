@@ -36,7 +36,6 @@ from ..exit.scheduler import ExitPayoff, TwoLevelScheduler
 from ..exit.stats import ExitStats
 from ..model.llama import Transformer
 from ..model.step_inputs import StepInputs
-from ..sampling import probabilities
 from ..speculative.speculative import SpecStats
 from ..speculative.verify import verify_chain
 from .decoding import FullDepth
@@ -196,7 +195,7 @@ class EarlyExitDecoding(FullDepth):
                                  list(r.seq.prompt_ids), ExitStats(model.cfg.num_layers), StageTimer(model.device),
                                  spec=SpecStats(c.num_draft_tokens) if c.num_draft_tokens else None, teacher=teacher)
         if self.lossless:
-            st.verifier = LosslessVerifier(st, model.cfg.num_layers, r.seq.params.greedy)
+            st.verifier = LosslessVerifier(st, model.cfg.num_layers)
             r.cache.filled[:, :, : len(r.seq.prompt_ids)] = True
             st.history.append(r.last)
             self.count(st, model.cfg.num_layers - 1)
@@ -285,7 +284,7 @@ class EarlyExitDecoding(FullDepth):
                 emitted, ok = st.verifier.settle(verdict, carried, at_bound=p.forced or p.R == 0)
                 if not ok or p.R == 0:
                     return emitted
-                verdict = verdict[st.verifier.width(carried):]
+                verdict = verdict[carried:]
         if p.R == 0:
             return emitted
         accepted, tokens = verdict[0], verdict[1 : 2 + verdict[0]]
@@ -293,15 +292,12 @@ class EarlyExitDecoding(FullDepth):
         if st.teacher is not None:
             tokens = self.teach(r, tokens, layer)
         r.cache.length = p.n + len(tokens)
-        held = None
-        if st.verifier is not None and layer < L - 1 and not r.seq.params.greedy:
-            held = probabilities(p.hit.logits[: len(tokens)], r.seq.params)
         count = len(tokens)
         for j, token in enumerate(tokens):
             st.history.append(token)
             self.count(st, layer)
             if st.verifier is not None and layer < L - 1:
-                st.verifier.hold(token, layer, None if held is None else held[j : j + 1])
+                st.verifier.hold(token, layer)
             else:
                 emitted.append(token)
             if token in r.seq.eos_ids and not r.seq.params.ignore_eos:
