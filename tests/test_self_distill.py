@@ -35,9 +35,9 @@ RECORDS = [
 
 def test_answers_are_the_targets_own_greedy_answers(llm, tmp_path):
     data = write_records(tmp_path / "in.json", RECORDS)
-    n = distill(llm, tmp_path / "out.json", data, max_new_tokens=12, batch_size=2, progress=False)
+    n, left_out = distill(llm, tmp_path / "out.json", data, max_new_tokens=12, batch_size=2, progress=False)
     out = json.loads((tmp_path / "out.json").read_text())
-    assert n == len(out) == 3
+    assert n == len(out) == 3 and left_out == 0
     by_instruction = {r["instruction"]: r for r in out}
     for rec in (r for r in RECORDS if "instruction" in r):
         got = by_instruction[rec["instruction"]]
@@ -56,7 +56,7 @@ def test_answers_are_the_targets_own_greedy_answers(llm, tmp_path):
 
 def test_time_budget_stops_after_a_batch_and_the_file_is_whole(llm, tmp_path):
     data = write_records(tmp_path / "in.json", [{"instruction": f"Count to {i}."} for i in range(6)])
-    n = distill(llm, tmp_path / "out.json", data, max_new_tokens=4, batch_size=2, minutes=1e-9, progress=False)
+    n, _ = distill(llm, tmp_path / "out.json", data, max_new_tokens=4, batch_size=2, minutes=1e-9, progress=False)
     assert n == 2  # the first batch passes the budget
     assert len(json.loads((tmp_path / "out.json").read_text())) == 2
     assert not list(tmp_path.glob("*.tmp"))
@@ -69,6 +69,21 @@ def test_bad_input_is_refused_before_any_work(llm, tmp_path):
     with pytest.raises(ValueError, match="max_new_tokens and batch_size must be >= 1"):
         distill(llm, tmp_path / "out.json", data, batch_size=0, progress=False)
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_max_new_tokens_that_leaves_no_prompt_room_keeps_the_old_file(llm, tmp_path):
+    """It wrote [] over the output (every prompt left out, none said so) and exited 0."""
+    context = llm.model.cfg.context_limit
+    data = write_records(tmp_path / "in.json", RECORDS + [{"instruction": "word " * 2 * context}])
+    out = tmp_path / "out.json"
+    out.write_text("[\"the previous answers\"]")
+    with pytest.raises(ValueError, match=rf"max_new_tokens \(--max-new-tokens\) {context} leaves no room"):
+        distill(llm, out, data, max_new_tokens=context, progress=False)
+    with pytest.raises(ValueError, match=r"no instruction fits .* \(--max-new-tokens\) %d" % (context - 3)):
+        distill(llm, out, data, max_new_tokens=context - 3, progress=False)
+    assert json.loads(out.read_text()) == ["the previous answers"]
+    n, left_out = distill(llm, out, data, max_new_tokens=8, batch_size=4, progress=False)
+    assert (n, left_out) == (3, 1)  # the long instruction does not fit beside its answer
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -36,10 +36,11 @@ def instructions(data: str | Path | None = None) -> list[dict]:
 
 
 def distill(llm, output: str | Path, data: str | Path | None = None, max_new_tokens: int = 256,
-            batch_size: int = 32, minutes: float | None = None, progress: bool = True) -> int:
+            batch_size: int = 32, minutes: float | None = None, progress: bool = True) -> tuple[int, int]:
     """Answer the instructions of `data` with `llm` (greedy, full depth, chat template, batches of
     similar prompt length) and write them to `output` as alpaca records; stops after the batch that
-    passes the time budget. Returns the number of records written. The file is replaced atomically:
+    passes the time budget; instructions too long for the context beside max_new_tokens are left out.
+    Returns the number of records written and of those left out. The file is replaced atomically:
     an interrupted run leaves the previous file (or none), never half of one."""
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens} and {batch_size}")
@@ -49,11 +50,18 @@ def distill(llm, output: str | Path, data: str | Path | None = None, max_new_tok
         raise ValueError(f"{llm.model_dir}: no chat template; self-distillation answers instructions as a chat")
     if llm.early_exit is not None or llm.speculative is not None:
         raise ValueError("self-distillation decodes at full depth: load the target without early exit or speculation")
+    context = llm.model.cfg.context_limit
+    if max_new_tokens >= context:
+        raise ValueError(f"max_new_tokens (--max-new-tokens) {max_new_tokens} leaves no room for a prompt in the "
+                         f"model's context of {context} tokens")
     recs = instructions(data)
     messages = [question(r) for r in recs]
-    limit = llm.model.cfg.context_limit - max_new_tokens
+    limit = context - max_new_tokens
     prompts = [llm.encode(m, chat=True) for m in messages]
     order = sorted((i for i in range(len(recs)) if len(prompts[i]) <= limit), key=lambda i: len(prompts[i]))
+    if not order:  # nothing would be written over the output
+        raise ValueError(f"no instruction fits the context of {context} tokens with max_new_tokens "
+                         f"(--max-new-tokens) {max_new_tokens}: the shortest takes {min(map(len, prompts))}")
     deadline = None if minutes is None else time.monotonic() + 60 * minutes
     params = SamplingParams(max_tokens=max_new_tokens)
     out: list[dict] = []
@@ -72,4 +80,4 @@ def distill(llm, output: str | Path, data: str | Path | None = None, max_new_tok
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(out, ensure_ascii=False, indent=0))
     os.replace(tmp, path)
-    return len(out)
+    return len(out), len(recs) - len(order)

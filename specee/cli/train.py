@@ -157,6 +157,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
     llm = load_llm(args)
     t = time.perf_counter()
-    n = distill(llm, args.output, args.data, args.max_new_tokens, args.batch_size, args.minutes)
-    print(f"{n} answers written to {args.output} in {time.perf_counter() - t:.0f} s")
+    n, left_out = distill(llm, args.output, args.data, args.max_new_tokens, args.batch_size, args.minutes)
+    longer = f" ({left_out} instructions too long for the context beside --max-new-tokens left out)" if left_out else ""
+    print(f"{n} answers written to {args.output} in {time.perf_counter() - t:.0f} s{longer}")
     return 0
