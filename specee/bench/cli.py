@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, add_threads_arg, device_arg, non_negative_int,
-                        positive_float, positive_int, quantization_mode, speculative_k)
+                        positive_float, positive_int, positive_int_list, quantization_mode, speculative_k)
 from ..cli.outputs import output_dir
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, parse_list
 from .plots import draw_figures
@@ -244,7 +244,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
 
     servers = dict(server_arg(v) for v in args.server or ["specee=http://127.0.0.1:8000"])
     prompts = load_prompts(args.prompts, parse_list(args.categories), None, args.total, args.shared)
-    report = run_serve_bench(servers, prompts, concurrency=parse_list(args.concurrency, int), model=args.served_model,
+    report = run_serve_bench(servers, prompts, concurrency=args.concurrency, model=args.served_model,
                              max_tokens=args.max_new_tokens, requests=args.requests, api_key=args.api_key,
                              ignore_eos=not args.no_ignore_eos,
                              eos_fields=dict.fromkeys(args.min_tokens_for, "min_tokens"))
@@ -350,7 +350,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--served-model", metavar="NAME", default=None,
                    help="model id to send (default: the server's first)")
     v.add_argument("--api-key", default=None, help="bearer key for the servers")
-    v.add_argument("--concurrency", default="1,4,16,64", help="concurrency levels (default: 1,4,16,64)")
+    v.add_argument("--concurrency", type=positive_int_list, default=[1, 4, 16, 64],
+                   help="concurrency levels (default: 1,4,16,64)")
     v.add_argument("--requests", type=positive_int, default=None, help="requests per level (default: 2x, at least 8)")
     v.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per answer (default 128)")
     v.add_argument("--no-ignore-eos", action="store_true", help="let answers end at end-of-sequence")
@@ -361,7 +362,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--categories", metavar="A,B", default=None, help="only these categories")
     v.add_argument("--total", type=positive_int, default=64, help="prompts, round-robin over categories (default 64)")
     v.add_argument("--shared", metavar="DIR", default=None, help="the shared folder (default: ../shared)")
-    v.add_argument("--out", metavar="DIR", default=None, help="write report.json, report.md and serve.png here")
+    v.add_argument("--out", metavar="DIR", type=output_dir, default=None,
+                   help="write report.json, report.md and serve.png here")
     v.set_defaults(func=cmd_serve_bench)
     return p
 

@@ -169,6 +169,17 @@ def positive_int(value: str) -> int:
     return _int_at_least(value, 1, "positive")
 
 
+def positive_int_list(value: str) -> list[int]:
+    """Comma-separated positive integers ("1,4,16")."""
+    parts = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        if parts:
+            return [positive_int(v) for v in parts]
+    except argparse.ArgumentTypeError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {value!r}")
+
+
 def non_negative_int(value: str) -> int:
     return _int_at_least(value, 0, "non-negative")
 

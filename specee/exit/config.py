@@ -52,7 +52,7 @@ class EarlyExitConfig:
         if self.mode == "lossless" and self.kv_policy != LOSSLESS_KV_POLICY:
             raise ValueError("lossless mode needs kv_policy='recompute' (the carried rows are what verifies)")
         for name, least in (("k", 1), ("max_pending", 1), ("online_window", 0), ("online_radius", 0),
-                            ("num_draft_tokens", 0), ("offline_size", 1)):
+                            ("num_draft_tokens", 0), ("offline_size", 0)):  # offline 0: online checks only
             value = getattr(self, name)
             if value is None and name == "offline_size":  # every layer the bank ranks
                 continue
