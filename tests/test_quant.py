@@ -377,7 +377,7 @@ def test_bank_cache_key_names_quantization_only_when_weights_are_quantized(tmp_p
     keys = {}
     for q in (None, "auto", "int4"):
         llm = LLM(path, quantization=q, progress=False)
-        keys[q] = llm.bank_cache_path(NGramDrafter(4, llm.model.cfg.vocab_size, llm.model.device), 4).name
+        keys[q] = llm.bank_cache_path(NGramDrafter(4, llm.model.cfg.vocab_size, llm.model.device).fingerprint, 4).name
     assert keys["auto"] == keys[None] and keys["int4"] != keys[None] and "-int4-" in keys["int4"]
 
 

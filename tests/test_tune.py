@@ -140,13 +140,19 @@ def test_a_profile_measured_with_other_kernels_on_this_cpu_is_ignored(stories_tu
 
 @needs(STORIES)
 @pytest.mark.parametrize("text, reason", [("{\"format\": ", "unreadable"), ("[]", "not a specee-tune-profile file"),
-                                          (None, "an entry's 'threads' is missing")])
+                                          (None, "an entry's 'threads' is missing"),
+                                          ({"label": "x", "draft": {}}, "an entry's config 'draft' has no 'path' str"),
+                                          ({"label": "x", "early_exit": {"draft": "ngram", "bank": "b"}},
+                                           "an entry's config 'early_exit' has no 'k' int")])
 def test_a_corrupt_profile_is_ignored_with_a_note(stories_tuned, capsys, text, reason):
+    """Including configs without what applying them reads (an empty draft was a KeyError traceback)."""
     path = profile.profile_path(STORIES)
     path.parent.mkdir(parents=True)
     if text is None:  # valid JSON, an entry without its key
         (entry,) = stories_tuned[0]["entries"]
         text = json.dumps({**stories_tuned[0], "entries": [{k: v for k, v in entry.items() if k != "threads"}]})
+    elif isinstance(text, dict):  # a config
+        text = json.dumps(with_entry(stories_tuned[0], config=text, ratio=1.3))
     path.write_text(text)
     record, err = generate(capsys)
     assert f"ignoring the tuned profile {path}: {reason}" in err and "speculative" not in record["stats"]
@@ -157,6 +163,7 @@ def test_store_keeps_other_conditions_replaces_the_same_and_is_atomic(tmp_path, 
              "ratio": 1.0, "config": {"label": "full depth"}}
     model = tmp_path / "model"
     path = profile.store(model, "f1", entry)
+    assert path.stat().st_mode & 0o777 == 0o644  # readable by others sharing the directory (it was 0600)
     profile.store(model, "f1", {**entry, "threads": 2})
     profile.store(model, "f1", {**entry, "ratio": 1.5, "config": NGRAM_2})
     data = profile.read_profile(path)
@@ -211,6 +218,18 @@ def test_the_busy_note_counts_only_load_beyond_the_timings_own_threads(capsys, m
     assert ("the machine was busy while timing" in err) == busy
 
 
+@needs(TARGET, DRAFT)
+def test_a_drafters_fingerprint_is_known_without_loading_it(monkeypatch):
+    """tune finds a drafter's cached bank by its fingerprint; it used to load the draft model for it."""
+    from specee import LLM
+    from specee.drafters import draft_model
+
+    llm = LLM(TARGET, progress=False, threads=1)
+    want = {d: llm.make_drafter(d, 2).fingerprint for d in ("ngram", str(DRAFT))}
+    monkeypatch.setattr(draft_model.Transformer, "load", lambda *a, **k: pytest.fail("loaded the draft model"))
+    assert {d: llm.drafter_fingerprint(d) for d in want} == want
+
+
 @needs(STORIES)
 def test_tune_measures_early_exit_with_a_cached_bank_and_never_chooses_lossy(capsys):
     from specee import LLM
@@ -220,7 +239,7 @@ def test_tune_measures_early_exit_with_a_cached_bank_and_never_chooses_lossy(cap
     llm = LLM(STORIES, progress=False, threads=1)
     L, hidden, drafter = llm.model.cfg.num_layers, 4, llm.make_drafter("ngram", EXIT_K)
     g = torch.Generator().manual_seed(0)  # random predictors: some fire, so lossy exits change tokens
-    bank = llm.bank_cache_path(drafter, EXIT_K)
+    bank = llm.bank_cache_path(drafter.fingerprint, EXIT_K)
     PredictorBank(torch.randn(L, 3 * EXIT_K, hidden, generator=g), torch.zeros(L, hidden),
                   torch.randn(L, hidden, generator=g), torch.zeros(L), [0.3] * L, list(range(L - 1)), EXIT_K,
                   llm.fingerprint, drafter.fingerprint).save(bank)

@@ -96,7 +96,7 @@ def environment(llm=None, *, draft: str | None = None, drafter=None, bank: str |
         if bank is not None:
             where = str(Path(bank).resolve())
         else:
-            where = str(llm.bank_cache_path(dec.drafter, dec.bank.k))
+            where = str(llm.bank_cache_path(dec.drafter.fingerprint, dec.bank.k))
         b: dict[str, Any] = {"path": where, "calibrated_on_first_use": bank is None}
         if dec is not None:
             pb = dec.bank

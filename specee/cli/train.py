@@ -73,7 +73,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     bank = calibrate(llm.model, llm.tokenizer, drafter, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
                      offline_size=args.offline_size, target_dir=llm.model_dir, target_fingerprint=llm.fingerprint,
                      eos_ids=llm.eos_ids, draft_vocab=args.draft_vocab, **limit)
-    path = bank.save(args.output or llm.bank_cache_path(drafter, args.k))
+    path = bank.save(args.output or llm.bank_cache_path(drafter.fingerprint, args.k))
     if args.json:
         print(json.dumps(bank.manifest()))
     else:

@@ -181,7 +181,7 @@ class LLM:
         if speculative_config is not None:
             config = merged_config(config, speculative_config)
         drafter = self.make_drafter(config.draft, config.k)
-        path = config.bank or self.bank_cache_path(drafter, config.k)
+        path = config.bank or self.bank_cache_path(drafter.fingerprint, config.k)
         self._speculative, self._uncalibrated = None, None
         if config.bank is None and not (path / "manifest.json").exists():
             self._uncalibrated = (config, drafter)  # `calibrate()`, or the first request, makes the bank
@@ -195,13 +195,19 @@ class LLM:
         drafter.restrict_vocab(bank.draft_vocab)  # the shortlist the predictors were calibrated with
         self.early_exit = EarlyExitDecoding(self.model, drafter, bank, config)
 
-    def bank_cache_path(self, drafter: Drafter, k: int) -> Path:
-        """Where the bank for this target + drafter + k + dtype is cached; the suffix names the
-        calibration recipe, so banks cached by an older recipe are not reused."""
+    def drafter_fingerprint(self, draft: str) -> str:
+        """What `make_drafter(draft, k).fingerprint` is, without loading a draft model."""
+        if draft == "ngram":
+            return NGramDrafter(1, self.model.cfg.vocab_size, self.model.device).fingerprint
+        return fingerprint_weights(resolve_model(draft, what="draft model"))
+
+    def bank_cache_path(self, drafter_fingerprint: str, k: int) -> Path:
+        """Where the bank for this target + drafter (its fingerprint) + k + dtype is cached; the suffix
+        names the calibration recipe, so banks cached by an older recipe are not reused."""
         dtype = str(self.model.dtype).removeprefix("torch.")
         quantized = not all(isinstance(w.qkv, FloatLinear) for w in self.model.layers)  # "auto" on float weights is float
         quant = f"-{self.quantization}" if quantized else ""  # quantized weights move the features
-        return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter.fingerprint}-k{k}-{dtype}{quant}-{BANK_RECIPE}"
+        return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter_fingerprint}-k{k}-{dtype}{quant}-{BANK_RECIPE}"
 
     def calibrate(self) -> Path | None:
         """Calibrate the predictor bank that early exit waits for, once (cached for later runs, keyed
@@ -210,7 +216,7 @@ class LLM:
         if self._uncalibrated is None:
             return None
         config, drafter = self._uncalibrated
-        path = self.bank_cache_path(drafter, config.k)
+        path = self.bank_cache_path(drafter.fingerprint, config.k)
         # imported here, not at module level: only this path calibrates (the engine never needs it otherwise)
         from ..calibration import calibrate, load_calibration_prompts
 

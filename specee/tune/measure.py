@@ -130,7 +130,7 @@ def exit_bases(llm, drafts: list[str], calibrate: bool, say: Callable[[str], Non
 
     bases = {}
     for draft in drafts:
-        bank = llm.bank_cache_path(llm.make_drafter(draft, EXIT_K), EXIT_K)
+        bank = llm.bank_cache_path(llm.drafter_fingerprint(draft), EXIT_K)
         what = "n-gram" if draft == "ngram" else f"draft model {Path(draft).name}"
         cached = (bank / "manifest.json").exists()
         if not cached and not calibrate:

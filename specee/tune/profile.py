@@ -72,9 +72,17 @@ def _check_entry(entry: Any) -> None:
     config = entry["config"]
     if not isinstance(config.get("label"), str):
         raise ProfileError("an entry's config has no label")
-    for field in ("speculative_config", "early_exit", "draft"):
-        if config.get(field) is not None and not isinstance(config[field], dict):
+    fields = {"speculative_config": {}, "early_exit": {"draft": str, "k": int, "bank": str},
+              "draft": {"path": str, "fingerprint": str}}  # what `apply` reads of each
+    for field, inner in fields.items():
+        value = config.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
             raise ProfileError(f"an entry's config {field!r} is not an object")
+        for name, kind in inner.items():
+            if not isinstance(value.get(name), kind) or isinstance(value.get(name), bool):
+                raise ProfileError(f"an entry's config {field!r} has no {name!r} {kind.__name__}")
 
 
 def read_profile(path: Path) -> dict[str, Any]:
@@ -120,6 +128,7 @@ def store(model_dir: Path, fingerprint: str, entry: dict[str, Any]) -> Path:
             f.close()
             tmp.unlink(missing_ok=True)
             raise
+    tmp.chmod(0o644)  # as banks and heads: not secret, and readable in a shared $SPECEE_TUNE_DIR (mkstemp's 0600)
     os.replace(tmp, path)
     return path
 
