@@ -96,3 +96,20 @@ def victim_alive(name: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def test_an_older_ray_is_a_one_line_error_naming_the_version(monkeypatch):
+    """An older Ray's serve.ingress takes the app as its argument: importing the deployment raised a
+    TypeError traceback (pyproject said ray>=2.40)."""
+    from ray import serve
+
+    from specee.cli.serve import RAY_AT_LEAST, serve_on_ray
+    from specee.cli.args import CLIError
+
+    def ingress(app):  # Ray 2.40's signature
+        return lambda cls: cls
+
+    monkeypatch.setattr(serve, "ingress", ingress)
+    monkeypatch.delitem(sys.modules, "specee.server.ray_serve", raising=False)
+    with pytest.raises(CLIError, match=rf"--ray needs Ray Serve {RAY_AT_LEAST} or newer \(this is {ray.__version__}\)"):
+        serve_on_ray(build_parser().parse_args(["serve", "--ray"]), {})

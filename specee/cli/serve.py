@@ -107,11 +107,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+RAY_AT_LEAST = "2.60"  # the Ray the tests run (requirements-ci.txt; pyproject's [ray] extra says the same)
+
+
 def serve_on_ray(args: argparse.Namespace, app_options: dict) -> int:
     try:
         from ..server.ray_serve import run
     except ImportError as e:
         raise CLIError(f"--ray needs Ray Serve ({e.name} is missing): pip install 'ray[serve]'") from None
+    except TypeError:  # an older Ray's serve.ingress needs its app: no argument-less form, no builder hook
+        import ray
+
+        raise CLIError(f"--ray needs Ray Serve {RAY_AT_LEAST} or newer (this is {ray.__version__}): "
+                       f"pip install 'ray[serve]>={RAY_AT_LEAST}'") from None
     options = {k: v for k, v in vars(args).items() if k != "func"}
     run(options, app_options, replicas=args.replicas, host=args.host, port=args.port)
     return 0
