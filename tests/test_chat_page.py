@@ -79,3 +79,19 @@ def test_stop_ends_a_long_reply(page):
     reply = wait_for(lambda: (r := last_reply(browser)).get_attribute("data-done") and r)
     assert reply.get_attribute("data-done") == "stopped" and "(stopped)" in browser.find_element("id", "stats").text
     wait_for(lambda: server.metric("specee:num_requests_running") == 0, timeout=5)
+
+
+def test_a_turn_that_fails_is_not_sent_again(page):
+    """A 400 (here a message past the context) used to stay in the conversation with an empty reply, so
+    every later turn failed the same way until "New chat"."""
+    browser, _, _ = page
+    browser.find_element("id", "reset").click()
+    browser.execute_script("send(arguments[0])", "word " * 9000)
+    reply = wait_for(lambda: (r := last_reply(browser)) is not None and r.get_attribute("data-done") and r)
+    assert "error" in reply.get_attribute("class") and "context" in reply.text
+    assert browser.execute_script("return messages.length") == 0
+    ask(browser, "Say hello.")
+    reply = wait_for(lambda: (r := last_reply(browser)).get_attribute("data-done") and "error" not in
+                     r.get_attribute("class") and r)
+    assert reply.get_attribute("data-done") == "finished" and reply.text
+    assert browser.execute_script("return messages.map(m => m.role)") == ["user", "assistant"]
