@@ -172,12 +172,9 @@ def positive_int(value: str) -> int:
 def positive_int_list(value: str) -> list[int]:
     """Comma-separated positive integers ("1,4,16")."""
     parts = [v.strip() for v in value.split(",") if v.strip()]
-    try:
-        if parts:
-            return [positive_int(v) for v in parts]
-    except argparse.ArgumentTypeError:
-        pass
-    raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {value!r}")
+    if not parts or not all(v.isdecimal() and int(v) > 0 for v in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {value!r}")
+    return [int(v) for v in parts]
 
 
 def non_negative_int(value: str) -> int:

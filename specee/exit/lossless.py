@@ -4,8 +4,8 @@ Under the recompute KV policy an exited token's row is carried into later steps 
 completes the last layer; the full model's prediction for the next position is then known.
 Each emitted-but-unverified token is accepted where the full model's own choice at its position
 equals it (greedy: the argmax; sampling: a draw from the full model's distribution p) and else
-replaced by that choice, and everything after a replaced token is rolled back: history, KV cache, carried rows, drafter,
-exit schedule and exit histogram. Only verified tokens reach the Sequence, so only verified
+replaced by that choice, and everything after a replaced token is rolled back: history, KV cache,
+carried rows, drafter, exit schedule and exit histogram. Only verified tokens reach the Sequence, so only verified
 text is streamed. `judge` runs on the device with the step's other verdicts (one host read for
 the whole step); `settle` reads its result.
 
