@@ -83,8 +83,10 @@ def hf_weights(spec: TinyGGUF, seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-def write_gguf(path: Path, spec: TinyGGUF, seed: int = 0, override_type: dict[str, str] | None = None) -> Path:
-    """Write `spec` as a GGUF file; override_type forces the type of named GGUF tensors."""
+def write_gguf(path: Path, spec: TinyGGUF, seed: int = 0, override_type: dict[str, str] | None = None,
+               metadata: dict[str, object] | None = None) -> Path:
+    """Write `spec` as a GGUF file; override_type forces the type of named GGUF tensors; metadata ({key
+    after the architecture: an int, float or str}) replaces or adds the architecture's keys (hostile files)."""
     from gguf import GGUFWriter
 
     from specee.model.config import ModelConfig
@@ -94,16 +96,19 @@ def write_gguf(path: Path, spec: TinyGGUF, seed: int = 0, override_type: dict[st
     D = spec.hidden // spec.heads
     writer = GGUFWriter(str(path), spec.arch)
     writer.add_name(f"tiny-{spec.arch}")
-    writer.add_block_count(spec.layers)
-    writer.add_context_length(256)
-    writer.add_embedding_length(spec.hidden)
-    writer.add_feed_forward_length(spec.intermediate)
-    writer.add_head_count(spec.heads)
-    writer.add_head_count_kv(spec.kv_heads)
-    writer.add_rope_dimension_count(D)
-    writer.add_rope_freq_base(10000.0 if spec.arch == "llama" else 1000000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_vocab_size(spec.vocab)
+    meta = {"block_count": spec.layers, "context_length": 256, "embedding_length": spec.hidden,
+            "feed_forward_length": spec.intermediate, "attention.head_count": spec.heads,
+            "attention.head_count_kv": spec.kv_heads, "rope.dimension_count": D,
+            "rope.freq_base": 10000.0 if spec.arch == "llama" else 1000000.0,
+            "attention.layer_norm_rms_epsilon": 1e-6, "vocab_size": spec.vocab, **(metadata or {})}
+    for key, value in meta.items():
+        key = f"{spec.arch}.{key}"
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint64(key, value) if value >= 2**32 else writer.add_uint32(key, value)
     cfg = ModelConfig(architecture={"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[spec.arch],
                       vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                       num_layers=spec.layers, num_heads=spec.heads, num_kv_heads=spec.kv_heads, head_dim=D,

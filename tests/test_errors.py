@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -83,6 +84,20 @@ def test_a_malformed_shard_index_is_one_line_naming_it(tiny_checkpoint, tmp_path
     with pytest.raises(CheckpointError, match=rf"model.safetensors.index.json: .*{reason}") as e:
         LLM(path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit,says", [
+    ({"max_position_embeddings": 2**40}, "max_position_embeddings 1099511627776 is past the 2097152 positions"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),  # was a ZeroDivisionError
+    ({"rms_norm_eps": "x"}, "rms_norm_eps must be a finite number > 0, got 'x'"),  # a torch traceback at decode
+    ({"hidden_size": "256"}, "hidden_size must be an integer >= 1, got '256'"),  # "config implies (8192, '256')"
+    ({"rope_theta": float("nan")}, "rope_theta must be a finite number > 0, got nan"),
+])
+def test_hostile_config_values_are_one_line_naming_the_file(ckpt, tmp_path, edit, says):
+    path = clone(ckpt, tmp_path)
+    edit_json(path / "config.json", **edit)
+    with pytest.raises(ValueError, match=re.escape(f"{path / 'config.json'}: {says}")):
+        LLM(path)
 
 
 def test_weights_that_do_not_fit_the_config(ckpt, tmp_path):

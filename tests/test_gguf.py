@@ -180,6 +180,35 @@ def test_truncated_gguf_is_a_clean_error(tiny_gguf, tmp_path):
             Transformer.load(path)
 
 
+@pytest.mark.parametrize("metadata,says", [
+    ({"block_count": 2**31}, r"llama.block_count 2147483648 does not match its blk.N tensors"),  # hung, memory growing
+    ({"context_length": 2**40}, r"llama.context_length 1099511627776 is past the 2097152 positions"),  # asked for 4 TB
+    ({"attention.head_count": 0}, r"llama.attention.head_count must be an integer >= 1, got 0"),  # ZeroDivisionError
+    ({"attention.head_count_kv": 3}, r"4 attention heads do not split into 3 key/value heads"),
+    ({"attention.key_length": 3, "rope.dimension_count": 3}, r"head dimension 3 is not an even number"),
+    ({"rope.freq_base": float("nan")}, r"llama.rope.freq_base must be a finite number > 0, got nan"),  # decoded garbage
+    ({"embedding_length": "abc"}, r"llama.embedding_length must be an integer >= 1, got 'abc'"),
+    ({"rope.scaling.type": "linear"}, r"GGUF metadata lacks llama.rope.scaling.factor"),  # a KeyError traceback
+])
+def test_hostile_gguf_metadata_is_one_line_naming_the_file(tmp_path, metadata, says):
+    spec = TINY["llama-tied-legacy-quants"]
+    assert spec.heads == 4 and spec.arch == "llama"
+    path = write_gguf(tmp_path / "hostile.gguf", spec, metadata=metadata)
+    with pytest.raises(ValueError, match=rf"^{path}: {says}") as e:
+        Transformer.load(path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_tensor_named_twice_is_refused(tmp_path):
+    """Which of the two would load was chance (transformers' tokenizer conversion happened to notice)."""
+    path = write_gguf(tmp_path / "twice.gguf", TINY["llama-tied-legacy-quants"])
+    data = path.read_bytes()
+    assert data.count(b"blk.0.attn_k.weight") == 1
+    path.write_bytes(data.replace(b"blk.0.attn_k.weight", b"blk.0.attn_q.weight"))
+    with pytest.raises(CheckpointError, match=r"not a readable GGUF file .*tensor blk.0.attn_q.weight appears twice"):
+        Transformer.load(path)
+
+
 def test_unsupported_tensor_type_is_named(tmp_path):
     path = write_gguf(tmp_path / "q8_1.gguf", TINY["llama-tied-legacy-quants"],
                       override_type={"blk.0.ffn_up.weight": "Q8_1"})

@@ -7,7 +7,9 @@ cannot execute exactly is refused here, with the reason, before weights are read
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,38 @@ REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 
 class UnsupportedModelError(ValueError):
     """The checkpoint uses an architecture or option the runtime does not implement."""
+
+
+# Positions a config may declare: RoPE tables and the default KV pool are sized from it, so a hostile
+# 2**40 asked torch for terabytes (Qwen2.5-1M, the longest the supported families ship, declares 1,010,000)
+MAX_CONTEXT = 1 << 21
+
+
+def count(value: Any, name: str, source: str, least: int = 1) -> int:
+    """A config integer, checked: untrusted files give strings, floats or zeros that failed far later."""
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{source}: {name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
+def positive(value: Any, name: str, source: str) -> float:
+    """A config float, checked finite and > 0 (a NaN RoPE base loaded and decoded garbage)."""
+    if not isinstance(value, Real) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ValueError(f"{source}: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def head_shape(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int | None, source: str) -> int:
+    """The head dimension, checked against the heads: GQA groups whole, RoPE on pairs."""
+    if head_dim is None:
+        if hidden % num_heads:
+            raise ValueError(f"{source}: hidden size {hidden} is not a multiple of the {num_heads} attention heads")
+        head_dim = hidden // num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{source}: {num_heads} attention heads do not split into {num_kv_heads} key/value heads")
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"{source}: head dimension {head_dim} is not an even number >= 2 (RoPE rotates pairs)")
+    return head_dim
 
 
 @dataclass(frozen=True)
@@ -57,7 +91,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
+        arch = archs[0] if isinstance(archs, list) and archs else archs if isinstance(archs, str) else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{source}: unsupported architecture {arch!r} (model_type {raw.get('model_type')!r}); "
@@ -71,9 +105,12 @@ class ModelConfig:
         if raw.get("mlp_bias", False):
             raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
         rope_theta, rope_type, rope_scaling = _parse_rope(raw, source)
-        num_heads = raw["num_attention_heads"]
-        hidden = raw["hidden_size"]
-        head_dim = raw.get("head_dim") or hidden // num_heads
+        num_heads = count(raw["num_attention_heads"], "num_attention_heads", source)
+        hidden = count(raw["hidden_size"], "hidden_size", source)
+        num_kv_heads = count(raw.get("num_key_value_heads") or num_heads, "num_key_value_heads", source)
+        given = raw.get("head_dim")
+        head_dim = head_shape(hidden, num_heads, num_kv_heads, None if given is None else count(given, "head_dim", source),
+                              source)
         family = SUPPORTED_ARCHITECTURES[arch]
         # Qwen2 always has q/k/v biases; Llama's `attention_bias` adds them to q/k/v and o.
         llama_bias = family == "llama" and bool(raw.get("attention_bias", False))
@@ -85,18 +122,18 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             architecture=arch,
-            vocab_size=raw["vocab_size"],
+            vocab_size=count(raw["vocab_size"], "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            intermediate_size=count(raw["intermediate_size"], "intermediate_size", source),
+            num_layers=count(raw["num_hidden_layers"], "num_hidden_layers", source),
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=positive(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
             rope_theta=rope_theta,
             rope_type=rope_type,
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=context(raw.get("max_position_embeddings", 2048), "max_position_embeddings", source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=llama_bias,
@@ -116,6 +153,13 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
 
+def context(value: Any, name: str, source: str) -> int:
+    n = count(value, name, source)
+    if n > MAX_CONTEXT:
+        raise ValueError(f"{source}: {name} {n} is past the {MAX_CONTEXT} positions specee sizes tables for")
+    return n
+
+
 def _parse_rope(raw: dict[str, Any], source: str) -> tuple[float, str, dict[str, Any] | None]:
     params = raw.get("rope_parameters")
     if params is not None:  # transformers >= 5
@@ -131,4 +175,6 @@ def _parse_rope(raw: dict[str, Any], source: str) -> tuple[float, str, dict[str,
         raise UnsupportedModelError(
             f"{source}: unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    return float(theta), rope_type, (dict(scaling) if rope_type != "default" else None)
+    if rope_type != "default" and "factor" in scaling:
+        positive(scaling["factor"], "rope_scaling.factor", source)
+    return positive(theta, "rope_theta", source), rope_type, (dict(scaling) if rope_type != "default" else None)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ModelConfig, UnsupportedModelError
+from .config import ModelConfig, UnsupportedModelError, context, count, head_shape, positive
 from .gguf_blocks import GGUFWeight, all_finite
 from .gguf_header import READ_ERRORS, Header
 from .weights import CheckpointError
@@ -113,15 +113,24 @@ def config_from_gguf(gguf_file: GGUFFile, source: str | Path) -> ModelConfig:
             raise CheckpointError(f"{source}: GGUF metadata lacks {arch}.{key}")
         return meta[f"{arch}.{key}"]
 
-    hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
-    rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    def number(key: str, check=count, default: Any = None) -> Any:  # checked: the file is untrusted
+        return check(need(key) if default is None else meta.get(f"{arch}.{key}", default), f"{arch}.{key}", str(source))
+
+    hidden, num_heads = number("embedding_length"), number("attention.head_count")
+    num_kv_heads = number("attention.head_count_kv", default=num_heads)
+    key_length = meta.get(f"{arch}.attention.key_length")
+    head_dim = head_shape(hidden, num_heads, num_kv_heads, None if key_length is None else number("attention.key_length"),
+                          str(source))
+    rotary = number("rope.dimension_count", default=head_dim)
     if rotary != head_dim:
         raise UnsupportedModelError(f"{source}: partial rotary embeddings ({rotary} of {head_dim} dims) are not supported")
+    num_layers = number("block_count")
+    if f"blk.{num_layers - 1}.attn_norm.weight" not in names or f"blk.{num_layers}.attn_norm.weight" in names:
+        raise CheckpointError(f"{source}: {arch}.block_count {num_layers} does not match its blk.N tensors")
     rope_type, rope_scaling = "default", None
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
-        rope_type, rope_scaling = "linear", {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+        rope_type, rope_scaling = "linear", {"rope_type": "linear", "factor": number("rope.scaling.factor", positive)}
     elif scaling != "none":
         raise UnsupportedModelError(f"{source}: unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
     embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
@@ -133,18 +142,18 @@ def config_from_gguf(gguf_file: GGUFFile, source: str | Path) -> ModelConfig:
     types = Counter(t.tensor_type.name for t in gguf_file.tensors if len(t.shape) > 1)
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=int(meta.get(f"{arch}.vocab_size", embedding.shape[-1])),
+        vocab_size=number("vocab_size", default=embedding.shape[-1]),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=number("feed_forward_length"),
+        num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon", positive),
+        rope_theta=number("rope.freq_base", positive, 10000.0),
         rope_type=rope_type,
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(need("context_length")),
+        max_position_embeddings=number("context_length", context),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,

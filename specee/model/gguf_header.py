@@ -9,6 +9,7 @@ downstream (dequantization, raw blocks) is unchanged.
 """
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,10 @@ class Header:
                 self.metadata[key] = self.value(kind)
         self.metadata_end = self.pos  # bytes 0 .. metadata_end: the version and every key-value pair
         infos = [self.tensor_info() for _ in range(tensor_count)]
+        if len({info[0] for info in infos}) < len(infos):  # which of two tensors of one name loads would be chance
+            seen: set[str] = set()
+            twice = next(name for name, *_ in infos if name in seen or seen.add(name))
+            raise ValueError(f"tensor {twice} appears twice")
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"invalid general.alignment {alignment!r}")
@@ -121,7 +126,7 @@ class Header:
         from gguf.quants import quant_shape_to_byte_shape
 
         ggml_type = GGMLQuantizationType(raw_type)
-        n_elements = int(np.prod(dims, dtype=np.int64))
+        n_elements = math.prod(int(d) for d in dims)  # Python ints: numpy's int64 product wrapped (2**32 x 2**32 = 0)
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
         n_bytes = n_elements * type_size // block_size
         shape = tuple(reversed(dims))
