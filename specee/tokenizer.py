@@ -11,10 +11,12 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError, nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -67,6 +69,7 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
+        self.source = source
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
     def token_id(self, token: str | None) -> int | None:
@@ -93,12 +96,54 @@ class Tokenizer:
         # like transformers, only the special tokens the tokenizer has are defined in the template
         specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
                                       ("unk_token", self.unk_token), ("pad_token", self.pad_token)) if v is not None}
-        return _compiled(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **specials)
+        _steps.left = TEMPLATE_STEPS
+        try:
+            return _compiled(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **specials)
+        except (TemplateError, OverflowError, RecursionError, MemoryError) as e:  # the file's template is untrusted
+            raise ValueError(f"{self.source}: chat template error: {' '.join(str(e).split()) or type(e).__name__}") from None
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         # The template already places any special tokens; transformers encodes it without adding more.
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+# Loop iterations and repeated elements one render may spend: a template from a model file is untrusted, and
+# the sandbox caps each range at 100,000 but not loops inside loops (two nested ones hung the CLI). Chat
+# templates of real models spend a few hundred.
+TEMPLATE_STEPS = 1_000_000
+_steps = threading.local()
+
+
+def _spend(n: int) -> None:
+    _steps.left = getattr(_steps, "left", TEMPLATE_STEPS) - n
+    if _steps.left < 0:
+        raise TemplateError(f"the template runs past {TEMPLATE_STEPS} loop steps")
+
+
+def _counted(iterable):
+    for item in iterable:
+        _spend(1)
+        yield item
+
+
+class _BudgetEnvironment(ImmutableSandboxedEnvironment):
+    """Loops (each iterates through `_counted`) and sequence repetition ("x" * n) spend from the render's budget."""
+
+    intercepted_binops = frozenset({"*"})
+
+    def _parse(self, source, name, filename):
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = nodes.Call(nodes.Name("_counted", "load"), [loop.iter], [], None, None)
+        return tree
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "*":
+            seq, times = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
+                _spend(len(seq) * max(times, 0))
+        return super().call_binop(context, operator, left, right)
 
 
 @functools.lru_cache(maxsize=8)
@@ -106,7 +151,7 @@ def _compiled(template: str):
     """A chat template compiled once (about a millisecond per request otherwise, on a server's event loop),
     in the environment transformers renders templates in: loop controls, a tojson that does not
     HTML-escape, strftime_now (Llama 3.x templates date their system prompt with it)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _BudgetEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
     def raise_exception(message: str) -> None:
         raise ValueError(f"chat template error: {message}")
@@ -115,6 +160,7 @@ def _compiled(template: str):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env.globals["raise_exception"] = raise_exception
+    env.globals["_counted"] = _counted
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.filters["tojson"] = tojson
     return env.from_string(template)
@@ -188,7 +234,7 @@ def _convert_gguf(path: Path) -> tuple[HFTokenizer, dict[str, Any], Any]:
         raise ImportError("reading the tokenizer of a GGUF file needs transformers: pip install 'specee[gguf]'") from None
     try:
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (ValueError, KeyError, IndexError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 -- third-party code parsing an untrusted file raises anything (bare Exception too)
         raise ValueError(f"{path}: cannot build the tokenizer from the GGUF metadata ({' '.join(str(e).split())})") from None
     specials = {k: getattr(hf, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
     return hf.backend_tokenizer, specials, hf.chat_template

@@ -2,6 +2,9 @@
 chat templates (rendering and token ids), and incremental detokenization."""
 from __future__ import annotations
 
+import copy
+import re
+
 import pytest
 from checkpoints import clone_checkpoint, edit_json
 from conftest import real_model_dir
@@ -191,6 +194,31 @@ def test_template_raise_exception(templated):
         hf.apply_chat_template(bad, tokenize=False)
     with pytest.raises(ValueError, match="chat template error: Conversation roles must alternate"):
         ours.apply_chat_template(bad)
+
+
+@pytest.mark.parametrize("template,says", [
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "runs past 1000000 loop steps"),
+    ("{% set s = 'x' * 99999 %}{% for i in s %}{% for j in s %}{% endfor %}{% endfor %}", "runs past 1000000 loop"),
+    ("{{ 'x' * 10**9 }}", "runs past 1000000 loop steps"),
+    ("{% for i in %}", "Expected an expression"),  # these three were tracebacks
+    ("{{ ''.__class__.__mro__ }}", "access to attribute '__class__' of 'str' object is unsafe"),
+    ("{{ range(10**9) }}", "The sandbox blocks ranges larger than MAX_RANGE"),
+])
+def test_a_hostile_chat_template_is_one_line_naming_its_file(templated, template, says):
+    """A model file's template is untrusted: nested loops hung the CLI (the sandbox caps one range, not loops
+    inside loops); syntax and sandbox errors were tracebacks."""
+    ours = copy.copy(templated(LOOP_TOJSON)[0])  # the fixture's is shared
+    ours.chat_template = template
+    with pytest.raises(ValueError, match=rf"^{ours.source}: chat template error: .*{re.escape(says)}"):
+        ours.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_the_loop_budget_is_per_render(templated):
+    ours, hf = templated(LOOP_TOJSON)
+    messages = [{"role": "user", "content": "hi"}]
+    for _ in range(3):  # each render starts with the whole budget
+        assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False,
+                                                                            add_generation_prompt=True)
 
 
 def test_output_ending_inside_a_multibyte_character_keeps_it_as_the_full_decode_does():
