@@ -291,6 +291,11 @@ def test_the_default_pool_holds_a_full_context_request_with_its_draft_rows(check
     assert len(out.token_ids) == limit - len(prompt) and out.finish_reason == "length"
 
 
+def test_a_kv_pool_that_cannot_be_allocated_names_the_flag(checkpoints):
+    with pytest.raises(ValueError, match=r"the KV cache pool of \d+ tokens \(.* GiB\) cannot be allocated .*--kv-cache-memory"):
+        LLM(checkpoints[0], dtype="float32", quantization=None, kv_cache_memory=10**13)  # was "[Errno 12] ..." alone
+
+
 def test_kv_cache_memory_flag(capsys):
     """--kv-cache-memory sizes the pool from the command line: a bad value is one line before any
     work; a pool too small for the request is refused with the flag named; a fitting one serves."""

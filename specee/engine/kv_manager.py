@@ -15,6 +15,7 @@ are free, only not together; they come together as neighbours leave (freed runs 
 from __future__ import annotations
 
 import bisect
+import math
 import re
 
 import torch
@@ -68,11 +69,16 @@ class KVCacheManager:
         # it out; on huge pages, which attention's reads stream as the weights' do (model/huge_pages.py).
         # On a GPU zeros: a graphed decode step reads the slots between its requests' runs, masked but
         # multiplied (engine/cuda_graphs.py)
-        if device.type == "cpu":
-            self.k, self.v = huge_pages.empty(shape, dtype, device), huge_pages.empty(shape, dtype, device)
-        else:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        try:
+            if device.type == "cpu":
+                self.k, self.v = huge_pages.empty(shape, dtype, device), huge_pages.empty(shape, dtype, device)
+            else:
+                self.k = torch.zeros(shape, dtype=dtype, device=device)
+                self.v = torch.zeros(shape, dtype=dtype, device=device)
+        except (MemoryError, OSError, RuntimeError) as e:  # torch's out-of-memory is a RuntimeError
+            size = 2 * math.prod(shape) * dtype.itemsize / 2**30
+            raise ValueError(f"the KV cache pool of {slots} tokens ({size:.1f} GiB) cannot be allocated "
+                             f"({' '.join(str(e).split())[:120]}); lower kv_cache_memory (--kv-cache-memory)") from None
         self.filled = torch.zeros(cfg.num_layers, 1, slots, dtype=torch.bool, device=device)
         self.slot_ids = torch.arange(slots, device=device)
         self.free_runs: list[tuple[int, int]] = [(0, self.num_blocks)]  # (first block, blocks), by first block
