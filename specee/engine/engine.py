@@ -151,14 +151,13 @@ class Engine:
                 if r.prompt_features:
                     feats = torch.cat([*r.prompt_features, feats])
                 self._start(r, verdict, feats)
-            before = len(r.seq.output_ids)
             for token in emitted:
                 r.seq.append(token)
                 if r.seq.finished:
                     break
             if first:  # the prefill (all its parts) ends with this forward; decoding is timed from here
                 r.seq.stats.prefill_seconds, r.decode_since = now - r.prefill_since, now
-                r.first_tokens = len(r.seq.output_ids) - before
+                r.first_tokens = len(r.seq.output_ids)  # its first tokens: the output was empty before
             if emitted:
                 r.last = emitted[-1]
             total += len(emitted)

@@ -6,7 +6,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from numbers import Integral
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ from .engine import Engine
 from .loading import (check_device, check_draft_tokenizers, collector_paused, load_eos_ids, merged_config,
                       named_drafts, resolve_dtype)
 from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, check_scheduling
-from .sequence import RequestOutput, Sequence
+from .sequence import RequestOutput, Sequence, token_ids
 from .teacher import TeacherForcedStep
 from .threads import ThreadPolicy, check_threads, prefetch_setting
 from .worker import EngineThread
@@ -235,13 +234,11 @@ class LLM:
     def encode(self, prompt: str | bytes | list[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt: text (a str, or UTF-8 bytes; invalid UTF-8 is refused) or token ids."""
         if isinstance(prompt, list):
-            other = sorted({type(t).__name__ for t in prompt if not isinstance(t, Integral) or isinstance(t, bool)})
-            if other:  # a float id would fail the embedding inside the step of every request beside it
-                raise TypeError(f"prompt token ids must be integers, got {', '.join(other)}")
-            bad = [t for t in prompt if not 0 <= t < self.model.cfg.vocab_size]
+            ids = token_ids(prompt)
+            bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {self.model.cfg.vocab_size}): {bad[:5]}")
-            return [int(t) for t in prompt]
+            return ids
         prompt = utf8_text(prompt)
         if chat:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
 from ..sampling import NONFINITE_TOKEN, SamplingParams
@@ -93,6 +94,15 @@ def next_request_id() -> str:
     return f"req-{next(_request_ids)}"
 
 
+def token_ids(ids) -> list[int]:
+    """Prompt token ids as ints (numpy integers too), or a TypeError: a float id passed the range check
+    and failed the embedding inside the step of every request beside it."""
+    other = sorted({type(t).__name__ for t in ids if not isinstance(t, Integral) or isinstance(t, bool)})
+    if other:
+        raise TypeError(f"prompt token ids must be integers, got {', '.join(other)}")
+    return [int(t) for t in ids]
+
+
 @dataclass
 class Sequence:
     prompt: str | list[int]
@@ -109,6 +119,7 @@ class Sequence:
     _streamed: int = 0
 
     def __post_init__(self) -> None:
+        self.prompt_ids = token_ids(self.prompt_ids)  # whoever built it: the engine takes no float id
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         self.stats.prompt_tokens = len(self.prompt_ids)
         self.stats.arrival_time = time.monotonic()

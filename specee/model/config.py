@@ -91,7 +91,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         archs = raw.get("architectures") or []
-        arch = archs[0] if isinstance(archs, list) and archs else archs if isinstance(archs, str) else None
+        archs = [archs] if isinstance(archs, str) else archs
+        arch = archs[0] if isinstance(archs, list) and archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{source}: unsupported architecture {arch!r} (model_type {raw.get('model_type')!r}); "
@@ -133,7 +134,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_type=rope_type,
             rope_scaling=rope_scaling,
-            max_position_embeddings=context(raw.get("max_position_embeddings", 2048), "max_position_embeddings", source),
+            max_position_embeddings=position_limit(raw.get("max_position_embeddings", 2048), "max_position_embeddings",
+                                                   source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=llama_bias,
@@ -153,7 +155,7 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
 
-def context(value: Any, name: str, source: str) -> int:
+def position_limit(value: Any, name: str, source: str) -> int:
     n = count(value, name, source)
     if n > MAX_CONTEXT:
         raise ValueError(f"{source}: {name} {n} is past the {MAX_CONTEXT} positions specee sizes tables for")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ModelConfig, UnsupportedModelError, context, count, head_shape, positive
+from .config import ModelConfig, UnsupportedModelError, count, head_shape, position_limit, positive
 from .gguf_blocks import GGUFWeight, all_finite
 from .gguf_header import READ_ERRORS, Header
 from .weights import CheckpointError
@@ -153,7 +153,7 @@ def config_from_gguf(gguf_file: GGUFFile, source: str | Path) -> ModelConfig:
         rope_theta=number("rope.freq_base", positive, 10000.0),
         rope_type=rope_type,
         rope_scaling=rope_scaling,
-        max_position_embeddings=number("context_length", context),
+        max_position_embeddings=number("context_length", position_limit),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
