@@ -10,7 +10,9 @@ times, each keeping its decoding (a speculation gate learns from turn to turn, a
 LLM's does); each figure is the median of its N, and a mode's ratio to full depth the median of
 its N ratios within a turn: the development VMs' speed drifts by a quarter within minutes, which a
 mode's whole pass would take for its own. So too a concurrency's ratio to the first (its "x"): the
-median of the rounds' ratios.
+median of the rounds' ratios. `--llama-cpp` adds llama.cpp on the same GGUF file as one more mode
+(its own batched decoding, the same token ids, greedy, the same threads: `specee.bench.llama_cpp`), and
+every mode reports how many prompts got the same tokens at each concurrency as at the first.
 
     python benchmarks/bench_engine.py --model ../shared/models/smollm2-135m-instruct --prompts 8 \
         --concurrency 1 4 8 --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
@@ -49,17 +51,28 @@ def median_ratio(a: list[float], b: list[float]) -> float:
     return round(statistics.median(x / y for x, y in zip(a, b)), 3)
 
 
-def serve(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> tuple[float, int, float, int]:
-    """Serving `prompts`, `concurrency` at a time: wall seconds and generated tokens end to end, and the
-    decode phase's (a group's requests decode together after their prefills: its longest decode time)."""
-    tokens = decoded = 0
-    decode_seconds, t0 = 0.0, time.perf_counter()
+def serve(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> tuple[float, float, int, list]:
+    """Serving `prompts`, `concurrency` at a time: wall seconds end to end, the decode phase's (a group's
+    requests decode together after their prefills: its longest decode time) and its tokens, and each
+    prompt's generated tokens."""
+    tokens, decoded, decode_seconds, t0 = [], 0, 0.0, time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         outs = llm.generate(prompts[i:i + concurrency], params, chat=True)
-        tokens += sum(len(o.token_ids) for o in outs)
+        tokens += [list(o.token_ids) for o in outs]
         decoded += sum(o.stats.decode_tokens for o in outs)
         decode_seconds += max(o.stats.decode_seconds for o in outs)
-    return time.perf_counter() - t0, tokens, decode_seconds, decoded
+    return time.perf_counter() - t0, decode_seconds, decoded, tokens
+
+
+def serve_llama_cpp(peer, ids: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, float, int, list]:
+    """The same as `serve` for llama.cpp's batched decoding of the same token ids."""
+    tokens, decoded, decode_seconds, t0 = [], 0, 0.0, time.perf_counter()
+    for i in range(0, len(ids), concurrency):
+        outs, _, decode = peer.run_batch(ids[i:i + concurrency], max_tokens)
+        tokens += outs
+        decoded += sum(len(o) - 1 for o in outs)
+        decode_seconds += decode
+    return time.perf_counter() - t0, decode_seconds, decoded, tokens
 
 
 def main() -> None:
@@ -75,8 +88,12 @@ def main() -> None:
                     help='EarlyExitConfig fields, e.g. {"draft": "ngram", "mode": "lossless"} (calibrates once)')
     ap.add_argument("--rounds", type=int, default=1, help="modes take turns this many times; figures are medians")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="llama.cpp's batched decoding of the same .gguf --model as one more mode (llama-cpp-python)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    if args.llama_cpp and not args.model.endswith(".gguf"):
+        ap.error(f"--llama-cpp runs the same GGUF file: give --model a .gguf file, not {args.model}")
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = holdout_prompts(args.prompts)
@@ -85,7 +102,15 @@ def main() -> None:
     llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization, **extra)
     modes = [("full depth", None)] + [(json.dumps(c, sort_keys=True), c) for c in args.speculative_config]
     modes += [("early exit " + json.dumps(c, sort_keys=True), EarlyExitConfig(**c)) for c in args.early_exit]
+    peer = None
+    if args.llama_cpp:
+        from specee.bench.llama_cpp import LlamaCppPeer
+
+        ids = [llm.encode(p, chat=True) for p in prompts]
+        peer = LlamaCppPeer(Path(args.model), torch.get_num_threads(), max(map(len, ids)) + args.max_tokens)
+        modes.append(("llama.cpp", peer))
     samples: dict[str, dict[str, list[float]]] = {name: {} for name, _ in modes}
+    outputs: dict[str, dict[int, list]] = {name: {} for name, _ in modes}  # the last round's tokens
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_tokens} tokens, "
           f"{args.rounds} round(s)")
     decoders: dict[str, tuple] = {}  # each mode's decoding, kept from turn to turn (its gate learns, as a served LLM's)
@@ -94,6 +119,12 @@ def main() -> None:
             # the order flips from one concurrency to the next and from round to round, so each concurrency's
             # modes take both places (a turn counted over concurrencies gave c=1 and c=8 one order each)
             for name, config in modes if (rnd + ci) % 2 == 0 else modes[::-1]:
+                if config is peer is not None:
+                    peer.run_batch(ids[:2], 8)  # warm-up
+                    seconds, decode_seconds, decoded, outputs[name][c] = serve_llama_cpp(peer, ids, args.max_tokens, c)
+                    samples[name].setdefault(f"c{c}", []).append(len(prompts) * args.max_tokens / seconds)
+                    samples[name].setdefault(f"decode_c{c}", []).append(decoded / decode_seconds)
+                    continue
                 if name in decoders:
                     llm.early_exit, llm.speculative = decoders[name]
                 elif isinstance(config, EarlyExitConfig):
@@ -104,8 +135,8 @@ def main() -> None:
                     llm.enable_speculative(config)
                 decoders[name] = llm.early_exit, llm.speculative
                 serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
-                seconds, tokens, decode_seconds, decoded = serve(llm, prompts, params, c)
-                samples[name].setdefault(f"c{c}", []).append(tokens / seconds)
+                seconds, decode_seconds, decoded, outputs[name][c] = serve(llm, prompts, params, c)
+                samples[name].setdefault(f"c{c}", []).append(sum(map(len, outputs[name][c])) / seconds)
                 samples[name].setdefault(f"decode_c{c}", []).append(decoded / decode_seconds)
     results = []
     for name, _ in modes:
@@ -115,12 +146,17 @@ def main() -> None:
         # minutes apart at most, the rounds' medians of each concurrency up to the whole run
         row["to_first_concurrency"] = {f"{key}{c}": median_ratio(own[f"{key}{c}"], own[f"{key}{args.concurrency[0]}"])
                                        for key in ("c", "decode_c") for c in args.concurrency}
+        first = outputs[name][args.concurrency[0]]
+        row["same_tokens_as_first_concurrency"] = {f"c{c}": sum(a == b for a, b in zip(outputs[name][c], first))
+                                                   for c in args.concurrency}
         if args.rounds > 1:
             row["rounds"] = {k: [round(x, 2) for x in v] for k, v in own.items()}
         results.append(row)
         for key, what in (("c", "end to end"), ("decode_c", "decode phase")):
             print(f"{name}, {what}: " + ", ".join(f"c={c} {row[f'{key}{c}']} tok/s ({row['to_first_concurrency'][f'{key}{c}']:.2f}x)"
                                                   for c in args.concurrency))
+        print(f"{name}, prompts with the same tokens as at c={args.concurrency[0]} (last round): " + ", ".join(
+            f"c={c} {row['same_tokens_as_first_concurrency'][f'c{c}']}/{len(prompts)}" for c in args.concurrency))
     full = samples[modes[0][0]]
     for row in results[1:]:
         own = samples[row["mode"]]
@@ -128,6 +164,8 @@ def main() -> None:
         for key, what in (("c", "end to end"), ("decode_c", "decode phase")):
             print(f"{row['mode']} / full depth, {what} (median of the turns' ratios): " + ", ".join(
                 f"c={c} {row['to_full_depth'][f'{key}{c}']:.2f}x" for c in args.concurrency))
+    if peer is not None:
+        peer.close()
     if args.out:
         Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "threads": torch.get_num_threads(),
                                               "prompts": len(prompts), "max_tokens": args.max_tokens,

@@ -758,12 +758,44 @@ def test_llama_cpp_peer_decodes_the_same_gguf_greedily(lookup):
     finally:
         peer.close()
     assert run.tokens == 12 and len(run.token_ids) == 12 and run.decode_tokens == 11
-    model, seq = llm.model, ids + run.token_ids
+    assert_near_greedy(llm, ids, run.token_ids)
+
+
+def assert_near_greedy(llm, ids: list[int], tokens: list[int]) -> None:
+    """Each of `tokens` among the top few of the float model's logits, teacher-forced after `ids`."""
+    model, seq = llm.model, ids + tokens
     with torch.inference_mode():
         h = model.forward(torch.tensor([seq]), model.range_inputs(0, len(seq)), model.new_cache(1, len(seq)))
         logits = model.logits(h)[0, len(ids) - 1:-1]
-    ranks = (logits > logits.gather(1, torch.tensor(run.token_ids)[:, None])).sum(1)
-    assert int(ranks.max()) < 5, (ranks.tolist(), llm.tokenizer.decode(run.token_ids))
+    ranks = (logits > logits.gather(1, torch.tensor(tokens)[:, None])).sum(1)
+    assert int(ranks.max()) < 5, (ranks.tolist(), llm.tokenizer.decode(tokens))
+
+
+def test_llama_cpp_peer_decodes_prompts_together():
+    """bench_engine's llama.cpp mode: prompts of different lengths decoded as one batch (a sequence each,
+    one llama_decode per step) give each prompt its own continuation (sequences or positions mixed up
+    would not), and a later job with more sequences gets a context that fits them."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional extra specee[llama-cpp])")
+    from conftest import MODELS
+
+    gguf = MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.exists():
+        pytest.skip(f"real model SmolLM2 not available: {gguf} is absent")
+    from specee import LLM
+    from specee.bench.llama_cpp import LlamaCppPeer
+
+    llm = LLM(gguf, progress=False, quantization=None)
+    prompts = [llm.encode(p, chat=True) for p in ("What is the capital of France?", "Name three colours.",
+                                                    "Write a Python function that adds two numbers.")]
+    peer = LlamaCppPeer(gguf, 2, 64)
+    try:
+        two, prefill, decode = peer.run_batch(prompts[:2], 6)
+        three, _, _ = peer.run_batch(prompts, 6)
+    finally:
+        peer.close()
+    assert [len(t) for t in two] == [6, 6] and [len(t) for t in three] == [6, 6, 6] and prefill > 0 and decode > 0
+    for ids, tokens in zip(prompts + prompts[:2], three + two):
+        assert_near_greedy(llm, ids, tokens)
 
 
 def test_llama_cpp_worker_can_run_without_its_extra_buffers():

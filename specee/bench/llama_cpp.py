@@ -9,7 +9,10 @@ older llama-cpp-python build crashed on several tokens per call on the developme
 prompt processing is slower than it could be; decode tokens/s is the figure to compare. With
 `lookup` > 0 it decodes with llama.cpp's own speculation, `LlamaPromptLookupDecoding` (n-gram
 drafts from the prompt and output, that many per step), verified several tokens per call by
-`Llama.generate` with greedy sampling. A worker that speculates evaluates a two-token batch before
+`Llama.generate` with greedy sampling. `run_batch` decodes several prompts together, as llama.cpp's own
+batched decoding does (`llama-batched-bench`, its server's slots): one sequence each in a KV cache split
+per sequence (its default), their prompts in batches of up to 512 tokens, then one token per sequence
+per `llama_decode` (`benchmarks/bench_engine.py --llama-cpp`). A worker that speculates evaluates a two-token batch before
 it reports ready: llama.cpp 0.3.36 built with GCC 12 for an Intel Xeon with AMX crashes (SIGSEGV)
 on batches of more than one token in its extra buffer types (AMX): GCC 12's `_tile_loadconfig` lets
 the compiler drop the tile configuration's stores, and `ldtilecfg` faults (BENCHMARKS.md, session
@@ -68,14 +71,22 @@ class LlamaCppPeer:
             raise
 
     def run(self, ids: list[int], max_new_tokens: int) -> Run:
-        self._conn.send((list(ids), max_new_tokens))
+        out, prefill, decode = self._ask(("one", list(ids), max_new_tokens), f"{len(ids)} prompt tokens")
+        return Run(len(out), prefill, decode, len(out) - 1, out)
+
+    def run_batch(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float, float]:
+        """Greedy tokens of each prompt decoded together, the prefill's seconds (to every first token)
+        and the decode's (the rest)."""
+        job = ("batch", [list(ids) for ids in prompts], max_new_tokens)
+        return self._ask(job, f"{len(prompts)} prompts together")
+
+    def _ask(self, job: tuple, what: str):
+        self._conn.send(job)
         try:
-            out, prefill, decode = self._conn.recv()
+            return self._conn.recv()
         except EOFError:
             self._process.join(10)
-            raise BenchError(f"llama.cpp's worker died (exit {self._process.exitcode}) decoding "
-                             f"{len(ids)} prompt tokens") from None
-        return Run(len(out), prefill, decode, len(out) - 1, out)
+            raise BenchError(f"llama.cpp's worker died (exit {self._process.exitcode}) decoding {what}") from None
 
     def close(self) -> None:
         if self._process.is_alive():
@@ -92,8 +103,14 @@ def _serve(conn, gguf: str, threads: int, context: int, lookup: int, extra_buffe
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
+    batches = None
     while (job := conn.recv()) is not None:
-        conn.send(decoder.run(*job))
+        kind, *args = job
+        if kind == "batch":
+            batches = batches or _BatchDecoder(decoder.model.model, threads)
+            conn.send(batches.run(*args))
+        else:
+            conn.send(decoder.run(*args))
 
 
 class _Decoder:
@@ -157,3 +174,62 @@ class _Decoder:
             if len(out) >= max_new_tokens:
                 break
         return out, t1 - t0, time.perf_counter() - t1
+
+
+class _BatchDecoder:
+    """llama.cpp's batched decoding through its C API: a context of its own over the loaded model,
+    made again when a job needs more sequences or positions."""
+
+    def __init__(self, model, threads: int):
+        self.model, self.threads, self.ctx, self.shape = model, threads, None, (0, 0)
+
+    def _context(self, seqs: int, positions: int):
+        import llama_cpp as api
+
+        if self.ctx is not None and seqs <= self.shape[0] and positions <= self.shape[1]:
+            api.llama_memory_clear(api.llama_get_memory(self.ctx), True)
+            return api
+        if self.ctx is not None:
+            api.llama_free(self.ctx)
+            api.llama_batch_free(self.batch)
+        positions = -(-positions // 256) * 256  # llama.cpp pads a context to 256 positions
+        params = api.llama_context_default_params()
+        params.n_seq_max, params.n_ctx = seqs, seqs * positions  # split per sequence: positions each
+        params.n_batch = params.n_ubatch = 512
+        params.n_threads = params.n_threads_batch = self.threads
+        self.ctx = api.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp made no context for {seqs} sequences of {positions} positions")
+        self.batch, self.shape = api.llama_batch_init(512, 0, 1), (seqs, positions)
+        self.vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(self.model))
+        return api
+
+    def _decode(self, api, rows: list[tuple[int, int, int, bool]]):
+        """One llama_decode of (token, position, sequence, wants logits) rows: the argmax of each
+        row that wants logits, in order."""
+        import numpy as np
+
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = token, pos, 1, seq, logits
+        b.n_tokens = len(rows)
+        if api.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError(f"llama_decode failed on {len(rows)} rows")
+        wanted = sum(r[3] for r in rows)
+        logits = np.ctypeslib.as_array(api.llama_get_logits(self.ctx), shape=(wanted, self.vocab))
+        return logits.argmax(axis=1).tolist()
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float, float]:
+        api = self._context(len(prompts), max(map(len, prompts)) + max_new_tokens)
+        t0 = time.perf_counter()
+        rows = [(token, pos, seq, pos == len(ids) - 1) for seq, ids in enumerate(prompts) for pos, token in enumerate(ids)]
+        firsts = []
+        for i in range(0, len(rows), 512):
+            firsts += self._decode(api, rows[i:i + 512])
+        outs = [[token] for token in firsts]  # prompts end in order, so their first tokens come in order
+        t1 = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            step = [(out[-1], len(ids) + len(out) - 1, seq, True) for seq, (ids, out) in enumerate(zip(prompts, outs))]
+            for out, token in zip(outs, self._decode(api, step)):
+                out.append(token)
+        return outs, t1 - t0, time.perf_counter() - t1
