@@ -10,6 +10,9 @@ from .model.kernels import loaded_cpu_kernels
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
 NONFINITE_TOKEN = -1  # what sampling returns for a row whose logits hold NaN or Inf: Sequence ends it as an error
+# Temperatures below this are greedy, as in vLLM: logits divided by 1e-38 overflow float32, and a step that
+# drew from the NaNs failed every request beside the one that asked for it
+GREEDY_BELOW = 1e-5
 
 
 def _is_number(value) -> bool:
@@ -18,7 +21,8 @@ def _is_number(value) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. stop: a string, a
+    """temperature 0 (or below GREEDY_BELOW) means greedy. top_k 0 and top_p 1.0 disable those filters
+    (top-p keeps at least the best token, however small top_p is). stop: a string, a
     list of strings or None. Every field is checked here, so a bad value fails before any work."""
 
     max_tokens: int = 128
@@ -52,11 +56,11 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise ValueError(f"stop must hold non-empty strings, got {list(self.stop)!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def make_generator(self, device: torch.device) -> torch.Generator | None:
         if self.greedy:
@@ -76,7 +80,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        cut = before >= params.top_p
+        cut[..., 0] = False  # the best token stays (a top_p below float32's smallest number rounds to 0)
+        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

@@ -53,6 +53,10 @@ def utf8_text(text: str | bytes, what: str = "prompt") -> str:
     return text
 
 
+# Characters past which a text is encoded through `encode_batch`, which releases the GIL while it works:
+# `encode` holds it, so a server's 4 MB prompt stopped its event loop, every stream with it, for 3 s
+LONG_TEXT = 1 << 16
+
 class Tokenizer:
     """source: a checkpoint directory (tokenizer.json, tokenizer_config.json) or a .gguf file."""
 
@@ -85,7 +89,10 @@ class Tokenizer:
 
     def encode(self, text: str | bytes, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (a str, or UTF-8 bytes); text that is not valid UTF-8 is refused (utf8_text)."""
-        return self.tok.encode(utf8_text(text, "text"), add_special_tokens=add_special_tokens).ids
+        text = utf8_text(text, "text")
+        if len(text) > LONG_TEXT:  # the same ids; encode_batch lets other threads run meanwhile
+            return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

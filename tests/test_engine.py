@@ -110,6 +110,28 @@ def test_a_request_that_cannot_run_ends_with_an_error_and_the_others_run_on(llm)
         llm.generate([[5, 6], [5] * 250], SamplingParams(max_tokens=10))
 
 
+def test_a_request_id_in_flight_already_is_refused_and_the_first_runs_on(llm):
+    """Two requests with one id: the pool's blocks and the engine thread's handles go by id, so the second
+    took over the first's blocks (its tokens changed, a block leaked) or left its handle waiting forever."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = dataclasses.replace(sequence(llm, "one two", params), request_id="x")
+    second = dataclasses.replace(sequence(llm, "three", params), request_id="x")
+    free = llm.engine.scheduler.kv.free_blocks
+    llm.engine.add_request(first)
+    llm.engine.step()
+    llm.engine.add_request(second)
+    assert second in llm.engine.step() and second.finish_reason == "error" and "'x' is already in flight" in second.error
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert first.finish_reason == "length" and first.output_ids == solo(llm, first)[0]
+    assert llm.engine.scheduler.kv.free_blocks == free
+    # through the engine thread: the duplicate's handle ends with its error, the first's with its tokens
+    a, b = (dataclasses.replace(sequence(llm, p, params), request_id="y") for p in ("one two", "three"))
+    outs = [h.result(timeout=60) for h in llm.worker.submit_all([a, b])]
+    assert outs[0].token_ids == first.output_ids
+    assert outs[1].finish_reason == "error" and "'y' is already in flight" in outs[1].error
+
+
 def test_seeded_sampling_per_request_is_independent_of_the_batch(llm):
     p = SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
     params = [p, dataclasses.replace(p, seed=4, top_k=5), dataclasses.replace(p, seed=5, top_p=0.8, max_tokens=5),
@@ -256,7 +278,7 @@ def test_kv_budget_is_parsed_from_tokens_or_a_size(llm):
     assert parse_kv_budget("1MiB", cfg, dtype) == (1 << 20) // per_token
     assert parse_kv_budget("2 GB", cfg, dtype) == (2 << 30) // per_token
     assert parse_kv_budget(None, cfg, dtype) >= cfg.context_limit
-    for bad in ("lots", "-1MiB", "0"):
+    for bad in ("lots", "-1MiB", "0", "2000TiB", 10**18):  # past 1 PiB: an OverflowError traceback once
         with pytest.raises(ValueError, match="--kv-cache-memory"):
             parse_kv_budget(bad, cfg, dtype)
 
@@ -293,7 +315,7 @@ def test_the_default_pool_holds_a_full_context_request_with_its_draft_rows(check
 
 def test_a_kv_pool_that_cannot_be_allocated_names_the_flag(checkpoints):
     with pytest.raises(ValueError, match=r"the KV cache pool of \d+ tokens \(.* GiB\) cannot be allocated .*--kv-cache-memory"):
-        LLM(checkpoints[0], dtype="float32", quantization=None, kv_cache_memory=10**13)  # was "[Errno 12] ..." alone
+        LLM(checkpoints[0], dtype="float32", quantization=None, kv_cache_memory="100TiB")  # was "[Errno 12] ..." alone
 
 
 def test_kv_cache_memory_flag(capsys):
@@ -307,6 +329,9 @@ def test_kv_cache_memory_flag(capsys):
     base = ["generate", "--model", stories, "--prompt", "Once", "--no-chat", "--max-new-tokens", "8"]
     assert cli.main([*base, "--kv-cache-memory", "lots"]) == 2
     assert "--kv-cache-memory: 'lots' is not a token count or a size" in capsys.readouterr().err
+    for huge in ("0", "0GiB", "99999999999999999999GiB", str(10**20)):  # huge: a traceback after loading once
+        assert cli.main([*base, "--kv-cache-memory", huge]) == 2
+        assert "--kv-cache-memory: " in capsys.readouterr().err
     assert cli.main([*base, "--max-new-tokens", "40", "--kv-cache-memory", "5"]) == 2  # one block: 16 slots
     assert "raise kv_cache_memory (--kv-cache-memory)" in capsys.readouterr().err
     assert cli.main([*base, "--kv-cache-memory", "1MiB"]) == 0

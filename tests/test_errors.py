@@ -252,7 +252,7 @@ def test_bad_top_k(top_k):
 
 
 def test_empty_stop_string():
-    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+    with pytest.raises(ValueError, match="stop must hold non-empty strings"):
         SamplingParams(stop=["ok", ""])
 
 

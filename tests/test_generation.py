@@ -175,6 +175,20 @@ def test_tiny_top_p_equals_greedy(llm, greedy_full):
     assert out.token_ids == greedy_full.token_ids
 
 
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"temperature": 1e-45}, {"temperature": 1.0, "top_p": 1e-300}],
+                         ids=["temperature-1e-300", "temperature-1e-45", "top_p-1e-300"])
+def test_extreme_sampling_values_decode_greedily_beside_other_requests(llm, greedy_full, extreme):
+    """A temperature whose division overflows float32, or a top_p that rounds to 0 in it, made NaN
+    probabilities: the draw raised inside the step and failed every request in it (the server gave each a
+    500). Below GREEDY_BELOW a temperature is greedy; top-p keeps the best token."""
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    extreme_params = SamplingParams(max_tokens=40, ignore_eos=True, seed=3, **extreme)
+    outs = llm.generate([PROMPT, BATCH_PROMPTS[1]], [extreme_params, greedy])
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert outs[0].token_ids == greedy_full.token_ids
+    assert outs[1].token_ids == llm.generate(BATCH_PROMPTS[1], greedy)[0].token_ids
+
+
 def test_probabilities_filters():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     p = probabilities(logits, SamplingParams(temperature=1.0))
@@ -241,6 +255,23 @@ def test_stop_string_spanning_tokens_and_earliest_of_several(llm, greedy_full):
     # streaming must hold back the stop string's first half until it is known not to be one
     deltas = list(llm.stream(PROMPT, params))
     assert "".join(deltas) == llm.last_output.text == out.text
+
+
+def test_the_earliest_stop_string_wins_when_one_token_completes_several(llm, greedy_full):
+    """Two stop strings that one token completes together: the text ends at the earlier of them,
+    whatever their order in the list (the first listed won, and the text kept the other)."""
+    deltas = list(llm.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True)))
+    full, start = "".join(deltas), 0
+    assert full == greedy_full.text
+    for piece in deltas:
+        head, tail = piece[:2], piece[2:]
+        if len(piece) >= 4 and full.find(head) == start and full.find(tail) == start + 2:
+            break
+        start += len(piece)
+    else:
+        pytest.fail("test premise: a token of 4 characters or more whose halves first occur in it")
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True, stop=[tail, head]))[0]
+    assert out.finish_reason == "stop" and out.text == full[:start]
 
 
 def test_stop_string_not_hit_gives_length(llm, greedy_full):

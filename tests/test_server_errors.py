@@ -78,7 +78,9 @@ BAD = [  # (path, body, status, param)
      "response_format"),
     ("/v1/chat/completions", with_(CHAT, logprobs=True), 400, "logprobs"),
     ("/v1/chat/completions", with_(CHAT, max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("/v1/completions", b'{"model": "stories", "prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("/tokenize", {"model": "stories"}, 400, "prompt"),
+    ("/tokenize", {"model": "stories", "prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate: it was a 500
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/v1/nothing", {}, 404, None),
 ]
@@ -132,14 +134,20 @@ def test_a_request_larger_than_the_kv_cache_is_a_400_naming_max_tokens():
     server = LiveServer(create_app(LLM(real_model_dir("stories260K"), dtype="float32", kv_cache_memory=64),
                                    model_name="stories"))
     try:
-        for body in (with_(COMPLETION, max_tokens=100), with_(COMPLETION, max_tokens=100, stream=True),
-                     {"model": "stories", "prompt": "Once upon a time"}):  # no max_tokens: the rest of the context
+        for body in (with_(COMPLETION, max_tokens=100), with_(COMPLETION, max_tokens=100, stream=True)):
             status, _, raw = server.request("POST", "/v1/completions", body)
             error = json.loads(raw)["error"]
             assert status == 400 and error["param"] == "max_tokens", error
             assert "the KV cache holds 64 tokens" in error["message"] and "--kv-cache-memory" in error["message"]
         out = server.client().completions.create(model="stories", prompt="Once upon a time", max_tokens=8)
         assert out.choices[0].finish_reason == "length"
+        # without max_tokens, the rest of the context as far as the cache holds it (it was refused, naming a
+        # max_tokens the client never sent)
+        out = server.client().completions.create(model="stories", prompt="Once upon a time", extra_body={"ignore_eos": True})
+        assert out.choices[0].finish_reason == "length" and out.usage.total_tokens == 64
+        status, _, raw = server.request("POST", "/v1/completions", {"model": "stories", "prompt": [5] * 64})
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == "prompt" and "no room" in error["message"], error
     finally:
         server.stop()
 
@@ -162,6 +170,54 @@ def test_a_full_queue_answers_429_with_retry_after():
     served = [r for r in results if not isinstance(r, Exception)]
     assert len(served) >= 2 and refused, results
     assert refused[0].response.headers["retry-after"] == "1" and refused[0].body["code"] == "queue_full"
+
+
+def test_a_request_that_no_queue_could_hold_is_a_400_not_a_429():
+    """More sequences than the server runs and queues together: a retry cannot help (it was a 429 with
+    Retry-After, which the client retried for nothing)."""
+    server = LiveServer(create_app(LLM(real_model_dir("stories260K"), dtype="float32", max_num_seqs=2),
+                                   model_name="stories", max_queue=3))
+    try:
+        for fields, param in (({"prompt": ["Once"] * 6}, "prompt"), ({"prompt": "Once", "n": 6}, "n")):
+            status, _, raw = server.request("POST", "/v1/completions", {"model": "stories", "max_tokens": 2, **fields})
+            error = json.loads(raw)["error"]
+            assert status == 400 and error["param"] == param and "--max-queue" in error["message"], error
+        out = server.client().completions.create(model="stories", prompt=["Once"] * 5, max_tokens=2)
+        assert len(out.choices) == 5
+    finally:
+        server.stop()
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(llm):
+    """A 4 MB prompt's tokenization takes seconds; on the event loop it held every other request up (a
+    stream beside it got no token for 4.75 s)."""
+    server = LiveServer(create_app(llm, model_name="stories"))
+    text = "Once upon a time there was a little girl. " * 90000
+    took = {}
+
+    def post(path: str, body: dict) -> None:
+        t0 = time.monotonic()
+        took[path] = server.request("POST", path, body)[0], time.monotonic() - t0
+
+    try:
+        calls = [threading.Thread(target=post, args=("/tokenize", {"model": "stories", "prompt": text})),
+                 threading.Thread(target=post, args=("/v1/completions", {"model": "stories", "prompt": text}))]
+        for call in calls:
+            call.start()
+        time.sleep(0.3)
+        gaps = []
+        while any(call.is_alive() for call in calls):
+            t0 = time.monotonic()
+            assert server.request("GET", "/health")[0] == 200
+            gaps.append(time.monotonic() - t0)
+        for call in calls:
+            call.join()
+    finally:
+        server.stop()
+    assert took["/tokenize"][0] == 200 and took["/v1/completions"][0] == 400
+    slowest = min(t for _, t in took.values())
+    assert slowest > 1.0, f"test premise: tokenizing the prompt takes a while ({took})"
+    assert max(gaps) < slowest / 3, (gaps, took)
 
 
 def test_max_num_seqs_bounds_what_runs_and_the_rest_wait():

@@ -38,6 +38,10 @@ def no_model_loads(monkeypatch):
     (["generate", "--prompt", "hi", "--temperature", "inf"], ["--temperature"]),
     (["generate", "--prompt", "hi", "--top-p", "0"], ["--top-p"]),
     (["generate", "--prompt", "hi", "--top-k", "-2"], ["--top-k"]),
+    (["generate", "--prompt", "hi", "--stop", ""], ["--stop must hold non-empty strings"]),
+    (["generate", "--prompt", "hi", "--draft", "ngram", "--bank", "/nonexistent/bank"], ["--bank", "no such file"]),
+    (["train-draft", "-o", "/tmp/specee-head", "--data", "/nonexistent"], ["--data", "no such file"]),
+    (["distill", "-o", "/tmp/specee-distilled.json", "--data", "/nonexistent"], ["--data", "no such file"]),
     (["generate"], ["required: --prompt", "specee generate --help"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
     (["bench", "speed", "--threshold-scale", "0"], ["bench speed", "--threshold-scale"]),
@@ -141,6 +145,8 @@ def test_stop_none_means_no_stop_strings(tiny_llm):
     (123, {}, TypeError, "model must be a path"),
     ("x", {"device": "tpu"}, ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     ("x", {"device": "banana"}, ValueError, "device must be"),
+    ("x", {"early_exit": [1]}, TypeError, "early_exit must be an EarlyExitConfig, a dict of its fields or None"),
+    ("x", {"early_exit": {"draft": 5}}, TypeError, "draft must be a path"),
 ])
 def test_llm_arguments_are_checked_first(model, kwargs, error, needle):
     with pytest.raises(error) as e:
@@ -164,6 +170,56 @@ def test_online_window_and_threshold_scale_checked_in_python():
         EarlyExitConfig(draft="ngram", threshold_scale=float("nan"))
     with pytest.raises(ValueError, match="online_window must be an integer >= 0"):
         EarlyExitConfig(draft="ngram", online_window=-1)
+    # a string or a number where the other belongs named no field ("'<' not supported ...") or passed
+    for fields, needle in (({"threshold_scale": "1"}, "threshold_scale must be a number"),
+                           ({"check_cost": "a"}, "check_cost must be a number"),
+                           ({"draft": 5}, "draft must be a path"), ({"bank": 3}, "bank must be a path")):
+        with pytest.raises(TypeError, match=needle):
+            EarlyExitConfig(**fields)
+
+
+def test_generate_and_stream_name_a_bad_argument(tiny_llm):
+    """Each was a TypeError from deep inside (no len(), a dict's missing attribute, numpy's ambiguous truth
+    value, an unpacking) or, for an empty list of SamplingParams, no error at all."""
+    import numpy as np
+
+    llm = tiny_llm("llama2")
+    for args, error, needle in (((["a"], []), ValueError, "sampling_params: 0 SamplingParams for 1 prompts"),
+                                ((["a"], {"max_tokens": 3}), TypeError, "sampling_params must be a SamplingParams"),
+                                ((5,), TypeError, "prompts must be a str, a list of token ids"),
+                                ((np.array([1, 2, 3]),), TypeError, "got ndarray")):
+        with pytest.raises(error, match=needle):
+            llm.generate(*args)
+    with pytest.raises(TypeError, match="stream takes one prompt"):
+        next(llm.stream(["a", "b"]))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)  # numpy ids are ids (they were "prompt must be a str")
+    assert llm.generate([np.int64(5), np.int64(6)], params)[0].token_ids == llm.generate([5, 6], params)[0].token_ids
+
+
+def test_last_output_is_this_threads_last_stream_closed_streams_included(tiny_llm):
+    """`last_output` was one attribute: a stream in another thread replaced it, and a closed stream left the
+    one before it (so finish_reason "abort" was never seen)."""
+    import threading
+
+    llm = tiny_llm("llama2")
+    stream = llm.stream("Once upon a time", SamplingParams(max_tokens=50, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert llm.last_output.finish_reason == "abort"
+    seen = {}
+
+    def consume(prompt: str) -> None:
+        for _ in llm.stream(prompt, SamplingParams(max_tokens=30, ignore_eos=True)):
+            pass
+        seen[prompt] = llm.last_output.prompt
+
+    threads = [threading.Thread(target=consume, args=(p,)) for p in ("Tom", "One day the sun")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"Tom": "Tom", "One day the sun": "One day the sun"}
+    assert llm.last_output.finish_reason == "abort"  # this thread's own
 
 
 # ---- prompts that are not valid UTF-8: refused, in the CLI and in Python ---------------------------

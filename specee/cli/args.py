@@ -100,12 +100,16 @@ def add_quantization_arg(group, fastest: bool = False) -> None:
 
 def kv_cache_memory_arg(value: str) -> int | str:
     """--kv-cache-memory: a token count, or a size with a unit (checked here, converted with the model)."""
-    from ..engine.kv_manager import SIZE
+    from ..engine.kv_manager import MAX_KV_MEMORY, SIZE, size_bytes
 
-    if value.strip().isdigit() and int(value) > 0:
+    if value.strip().isdigit() and 0 < int(value) <= MAX_KV_MEMORY:
         return int(value)
     if not SIZE.fullmatch(value) or not value.strip()[:1].isdigit():
         raise argparse.ArgumentTypeError(f"{value!r} is not a token count or a size like 512MiB or 2GB")
+    try:
+        size_bytes(value)
+    except ValueError as e:  # no memory, or past 1 PiB
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
     return value
 
 
@@ -154,6 +158,13 @@ def positive_float(value: str) -> float:
 
 def probability(value: str) -> float:
     return _float_where(value, lambda x: 0 < x <= 1, "a number in (0, 1]")
+
+
+def existing_path(value: str) -> str:
+    """A file or directory that must exist (--bank, --data): checked before any model loads."""
+    if not Path(value).expanduser().exists():
+        raise argparse.ArgumentTypeError(f"no such file or directory: {value!r}")
+    return value
 
 
 def seed_int(value: str) -> int:
@@ -238,7 +249,7 @@ def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
                         "(directory or .gguf) sharing the target's tokenizer, or 'ngram' (training-free prompt "
                         "lookup). Default: none, full depth (early exit measured slower than full depth on "
                         "every model so far, see BENCHMARKS.md)")
-    g.add_argument("--bank", metavar="DIR", default=None,
+    g.add_argument("--bank", metavar="DIR", type=existing_path, default=None,
                    help="predictor bank from `specee calibrate` (default: calibrate once and cache it under "
                         "~/.cache/specee, or $SPECEE_CACHE)")
     g.add_argument("--no-exit", action="store_true", help="run every token at full depth, even with --draft")
@@ -375,7 +386,7 @@ def note(message: str) -> None:
     print(f"{PROG}: note: {message}", file=sys.stderr)
 
 
-LIBRARY_NAMES = {"max_tokens": "--max-new-tokens", "top_k": "--top-k", "top_p": "--top-p",
+LIBRARY_NAMES = {"max_tokens": "--max-new-tokens", "top_k": "--top-k", "top_p": "--top-p", "stop": "--stop",
                  "speculative_config": "--speculative-config"}
 
 

@@ -6,8 +6,8 @@ import json
 import sys
 import time
 
-from .args import (CLIError, MAX_K, add_model_args, default_draft, load_llm, non_negative_int, positive_float,
-                   positive_int, resolve_model_dir, speculative_k)
+from .args import (CLIError, MAX_K, add_model_args, default_draft, existing_path, load_llm, non_negative_int,
+                   positive_float, positive_int, resolve_model_dir, speculative_k)
 from .outputs import output_dir, output_file, writable_destination
 
 
@@ -20,7 +20,7 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
     add_model_args(p, fastest=True)  # the weights generate runs: the bank's features depend on them
     p.add_argument("--draft", metavar="DIR|ngram", default=None,
                    help="drafter: a draft model (directory or .gguf) or 'ngram' (default: ref-draft-4L for ref-target-24L)")
-    p.add_argument("--data", metavar="PATH", default=None,
+    p.add_argument("--data", metavar="PATH", type=existing_path, default=None,
                    help="calibration prompts: a file (alpaca .json or .jsonl with text/instruction) or a "
                         "directory of them (default: ../shared/data/calibration)")
     p.add_argument("-o", "--output", metavar="BANK", type=output_dir, default=None,
@@ -105,7 +105,7 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
                         "layers, low/middle/high, fuse them as EAGLE-3 does)")
     p.add_argument("--shortlist", type=positive_int, default=None, metavar="N",
                    help="the head proposes among the N most frequent tokens of the training text (default: a quarter of the vocabulary, at most 4096)")
-    p.add_argument("--data", metavar="PATH", default=None,
+    p.add_argument("--data", metavar="PATH", type=existing_path, default=None,
                    help="training text: alpaca .json / {text} .jsonl file or directory (default: ../shared/data/calibration)")
     p.add_argument("--resume", action="store_true", help="continue the training checkpoint in HEAD_DIR")
     p.add_argument("--json", action="store_true", help="print the manifest (without the shortlist) as JSON")
@@ -142,7 +142,7 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
                                    ".json file: the text a draft head should learn (train-draft --data FILE).")
     add_model_args(p)
     p.add_argument("-o", "--output", metavar="FILE", type=output_file, required=True, help="the .json file to write")
-    p.add_argument("--data", metavar="PATH", default=None,
+    p.add_argument("--data", metavar="PATH", type=existing_path, default=None,
                    help="instruction records: alpaca .json / .jsonl file or directory (default: ../shared/data/calibration)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="answer length cap (default: 256)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="answers decoded together (default: 32)")

@@ -50,6 +50,10 @@ class Engine:
         """Raise ValueError if the request can never run (empty, longer than the context or the cache)."""
         self.scheduler.check(seq)
 
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a request with a prompt this long could ever be given (context and cache)."""
+        return self.scheduler.room(prompt_len)
+
     def add_request(self, seq: Sequence) -> None:
         """Queue a request; one that can never run ends at the next step with finish_reason "error"."""
         self.scheduler.add(seq)

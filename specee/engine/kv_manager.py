@@ -27,6 +27,19 @@ from ..model.kv_cache import KVCache
 BLOCK_SIZE = 16
 SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)  # "512MiB", "2GB", "1.5GiB"
 DEFAULT_KV_MEMORY = 1 << 30  # bytes, unless the context needs more (one full-context request always fits)
+MAX_KV_MEMORY = 1 << 50  # bytes (1 PiB): past any machine's memory, and past what mmap's size can say
+
+
+def size_bytes(value: str) -> int:
+    """Bytes of a size string ("512MiB", "2GB", "1.5GiB", "4096" bytes); a one-line error otherwise."""
+    m = SIZE.fullmatch(value)
+    if not m:
+        raise ValueError(f"kv_cache_memory (--kv-cache-memory): {value!r} is not a size like 512MiB or 2GB")
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I") or "B"
+    size = int(float(m.group(1)) * {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
+    if not 0 < size <= MAX_KV_MEMORY:
+        raise ValueError(f"kv_cache_memory (--kv-cache-memory): {value!r} is {'no memory' if size <= 0 else 'past 1 PiB'}")
+    return size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -43,17 +56,14 @@ def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtyp
     if isinstance(value, int) and not isinstance(value, bool):
         tokens = value
     elif isinstance(value, str):
-        m = SIZE.fullmatch(value)
-        if not m:
-            raise ValueError(f"kv_cache_memory (--kv-cache-memory): {value!r} is not a size like 512MiB or 2GB")
-        unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I") or "B"
-        scale = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
-        tokens = int(float(m.group(1)) * scale) // per_token
+        tokens = size_bytes(value) // per_token
     else:
         raise TypeError(f"kv_cache_memory (--kv-cache-memory) must be a token count or a size string, got {value!r}")
     if tokens < 1:
         raise ValueError(f"kv_cache_memory (--kv-cache-memory) holds no token ({per_token} bytes per token for "
                          f"this model)")
+    if tokens * per_token > MAX_KV_MEMORY:
+        raise ValueError(f"kv_cache_memory (--kv-cache-memory): {tokens} tokens are past 1 PiB for this model")
     return tokens
 
 
@@ -75,7 +85,7 @@ class KVCacheManager:
             else:
                 self.k = torch.zeros(shape, dtype=dtype, device=device)
                 self.v = torch.zeros(shape, dtype=dtype, device=device)
-        except (MemoryError, OSError, RuntimeError) as e:  # torch's out-of-memory is a RuntimeError
+        except (MemoryError, OSError, OverflowError, RuntimeError) as e:  # torch's out-of-memory is a RuntimeError
             size = 2 * math.prod(shape) * dtype.itemsize / 2**30
             raise ValueError(f"the KV cache pool of {slots} tokens ({size:.1f} GiB) cannot be allocated "
                              f"({' '.join(str(e).split())[:120]}); lower kv_cache_memory (--kv-cache-memory)") from None

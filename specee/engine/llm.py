@@ -6,6 +6,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
+from numbers import Integral
 from pathlib import Path
 
 import torch
@@ -69,6 +70,10 @@ class LLM:
                  max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a path or a Hugging Face hub id (str or Path), got {model!r}")
+        if isinstance(early_exit, dict):  # as speculative_config is given
+            early_exit = EarlyExitConfig(**early_exit)
+        elif not isinstance(early_exit, (EarlyExitConfig, type(None))):
+            raise TypeError(f"early_exit must be an EarlyExitConfig, a dict of its fields or None, got {early_exit!r}")
         threads = check_threads(threads)
         check_scheduling(max_num_seqs, max_num_batched_tokens, prefill_chunk)
         prefetch_setting()  # a bad SPECEE_INT4_PREFETCH fails here, before any loading
@@ -90,6 +95,7 @@ class LLM:
         self.threads = ThreadPolicy(self.model, threads)  # .choice: the count (and timings if measured)
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
+        self._streams = threading.local()  # .output: this thread's last stream's RequestOutput (last_output)
         self.kv_cache_memory = kv_cache_memory
         self.scheduling = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                            "prefill_chunk": prefill_chunk}
@@ -245,14 +251,18 @@ class LLM:
         return self.tokenizer.encode(prompt)
 
     def _sequences(self, prompts, params: SamplingParams | list[SamplingParams] | None, chat: bool) -> list[Sequence]:
-        if isinstance(prompts, (str, bytes)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, bytes)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], Integral)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a list of token ids or a list of these, got {type(prompts).__name__}")
         if not prompts:
             raise ValueError("no prompts given")
-        params = params or SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
+        params = SamplingParams() if params is None else params
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in plist):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {params!r}")
         if len(plist) != len(prompts):
-            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+            raise ValueError(f"sampling_params: {len(plist)} SamplingParams for {len(prompts)} prompts")
         seqs = [Sequence(p, self.encode(p, chat), sp, self.tokenizer, self.eos_ids) for p, sp in zip(prompts, plist)]
         for s in seqs:  # the synchronous API refuses, before any work, a request that cannot run
             self.engine.check(s)
@@ -282,9 +292,13 @@ class LLM:
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[str]:
         """Yield text as the engine thread produces it (streams may be consumed in any order, from any
-        thread); the finished RequestOutput is `self.last_output`. Closing the iterator stops decoding."""
+        thread); its RequestOutput is then `self.last_output` in this thread. Closing the iterator stops
+        decoding (finish_reason "abort")."""
         self.calibrate()
-        (seq,) = self._sequences(prompt, sampling_params, chat)
+        seqs = self._sequences(prompt, sampling_params, chat)
+        if len(seqs) != 1:
+            raise TypeError("prompt: stream takes one prompt (a str or a list of token ids); generate takes several")
+        (seq,) = seqs
         handle = self.worker.submit(seq)
         try:
             for delta in handle:  # the last delta carries the last text too
@@ -294,9 +308,15 @@ class LLM:
             if not handle.done.is_set():  # a closed stream stops decoding, before close() returns
                 self.worker.abort(handle.request_id)
                 handle.done.wait()
+            self._streams.output = seq.output()
         if handle.exception is not None:
             raise handle.exception
-        self.last_output = seq.output()
+
+    @property
+    def last_output(self) -> RequestOutput | None:
+        """The RequestOutput of the last stream this thread ran to its end or closed: per thread, so that
+        a stream in another thread never takes its place."""
+        return getattr(self._streams, "output", None)
 
     @property
     def worker(self) -> EngineThread:

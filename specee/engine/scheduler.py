@@ -88,10 +88,21 @@ class Scheduler:
             raise ValueError(f"the request needs {needed} cache slots but the KV cache holds {self.kv.capacity} "
                              f"tokens; lower max_tokens or raise kv_cache_memory (--kv-cache-memory)")
 
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a request with this prompt could ever be given here: the rest of the
+        context, as far as the KV cache holds it beside the decoding's extra rows."""
+        return min(self.context_limit, self.kv.capacity - self.extra_rows) - prompt_len
+
     def add(self, seq: Sequence) -> None:
-        """Queue a request; one that can never run ends at once with an error (returned by `retire`)."""
-        if runnable(seq, self.check, self.failed):
+        """Queue a request; one that can never run, or whose id is in flight already, ends at once with an
+        error (returned by `retire`): the cache's blocks and the engine thread's handles go by request id."""
+        if runnable(seq, self.check, self.failed) and runnable(seq, self._new_id, self.failed):
             self.waiting.append(seq)
+
+    def _new_id(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        if any(s.request_id == rid for s in self.waiting) or any(r.seq.request_id == rid for r in self.running):
+            raise ValueError(f"request_id {rid!r} is already in flight; give every request its own id")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.failed)

@@ -160,13 +160,13 @@ class Sequence:
             self.text += self.detok.add(token)
         if last:  # nothing follows: release a held partial character too
             self.text += self.detok.flush()
-        for stop in self.params.stop:
-            cut = self.text.find(stop, max(0, before - len(stop) + 1))
-            if cut >= 0:
-                self.text = self.text[:cut]
-                self.finish_reason = "stop"
-                self.stats.finish_time = time.monotonic()
-                return
+        # the earliest stop string in the text, whatever their order in the list (one token can complete several)
+        cuts = [cut for stop in self.params.stop if (cut := self.text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        if cuts:
+            self.text = self.text[:min(cuts)]
+            self.finish_reason = "stop"
+            self.stats.finish_time = time.monotonic()
+            return
         if last:
             self.finish_reason = "stop" if eos else "length"
         if self.finish_reason is not None:

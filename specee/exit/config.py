@@ -1,6 +1,8 @@
 """How SpecEE early exit runs: the user's settings, checked on construction."""
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,6 +47,13 @@ class EarlyExitConfig:
     check_cost: float = 0.2
 
     def __post_init__(self) -> None:
+        for name in ("draft", "bank"):
+            if not isinstance(getattr(self, name), (str, os.PathLike, type(None))):
+                raise TypeError(f"{name} must be a path (str) or None, got {getattr(self, name)!r}")
+        for name in ("threshold_scale", "check_cost"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, got {value!r}")
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
         if self.mode not in ("lossy", "lossless"):

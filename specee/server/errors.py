@@ -54,7 +54,7 @@ def validation_message(err: dict[str, Any]) -> tuple[str, str | None, str]:
     if kind == "extra_forbidden":
         return f"unrecognized request argument: {param}", param, "unrecognized_argument"
     if param is None:
-        return "the body must be a JSON object", None, "invalid_json"
+        return "the body must be a JSON object sent with Content-Type: application/json", None, "invalid_json"
     return f"{param}: {err.get('msg', 'invalid value')}", param, "invalid_value"
 
 

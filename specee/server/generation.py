@@ -115,7 +115,12 @@ def sequences(state: ServerState, body: GenerationRequest) -> list[Sequence]:
         if len(ids) >= limit:
             raise APIError(400, f"{field}: the prompt has {len(ids)} tokens, the model's context is {limit}",
                            field, "context_length_exceeded")
-        budget = body.token_budget() or limit - len(ids)
+        budget = body.token_budget()
+        if budget is None:  # the rest of the context, as far as the KV cache holds it (admission reserves it all)
+            budget = llm.engine.room(len(ids))
+            if budget < 1:
+                raise APIError(400, f"{field}: the prompt's {len(ids)} tokens leave no room for a completion in the "
+                                    "KV cache (--kv-cache-memory)", field, "context_length_exceeded")
         if len(ids) + budget > limit:
             raise APIError(400, f"{budget_field}: prompt ({len(ids)} tokens) + {budget_field} ({budget}) exceeds "
                                 f"the model's context of {limit} tokens", budget_field, "context_length_exceeded")
@@ -175,8 +180,9 @@ def failure(outputs: list[RequestOutput | None]) -> str | None:
 async def generate(request: Request, state: ServerState, body: ChatCompletionRequest | CompletionRequest):
     state.require_model(body.model)
     body.check()
-    seqs = sequences(state, body)
-    state.admit(len(seqs))
+    # tokenizing off the event loop: a 4 MB prompt held every stream up for 5 s
+    seqs = await asyncio.to_thread(sequences, state, body)
+    state.admit(len(seqs), "n" if body.n > 1 else "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
     shape = Shape(isinstance(body, ChatCompletionRequest), state.model_name)
     job = Job(state, seqs)
     if body.stream:

@@ -16,7 +16,8 @@ MAX_N = 16  # choices per request: each is a row of the batch
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are refused as such ("temperature: Input should be a finite number"), not as out of range
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(Strict):

@@ -1,6 +1,7 @@
 """The HTTP routes: OpenAI's /v1 API, vLLM's /tokenize and /detokenize, /health, /metrics, the chat page."""
 from __future__ import annotations
 
+import asyncio
 import time
 from importlib import resources
 
@@ -52,14 +53,20 @@ async def completions(body: CompletionRequest, request: Request):
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     state = state_of(request)
     state.require_model(body.model)
-    tok = state.llm.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", "prompt", "invalid_value")
     if body.prompt is not None:
-        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await asyncio.to_thread(encode_prompt, state, body.prompt, body.add_special_tokens)
     else:
-        ids = chat_ids(state, body.messages)[1]
+        ids = (await asyncio.to_thread(chat_ids, state, body.messages))[1]
     return {"tokens": ids, "count": len(ids), "max_model_len": state.llm.model.cfg.context_limit}
+
+
+def encode_prompt(state: ServerState, prompt: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return state.llm.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    except ValueError as e:  # not valid UTF-8 (a lone surrogate)
+        raise APIError(400, f"prompt: {e}", "prompt", "invalid_value") from None
 
 
 @router.post("/detokenize")
@@ -69,7 +76,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     vocab = state.llm.model.cfg.vocab_size
     if bad := [t for t in body.tokens if not 0 <= t < vocab]:
         raise APIError(400, f"tokens: ids out of range [0, {vocab}): {bad[:5]}", "tokens", "invalid_value")
-    return {"prompt": state.llm.tokenizer.decode(body.tokens)}
+    return {"prompt": await asyncio.to_thread(state.llm.tokenizer.decode, body.tokens)}
 
 
 @router.get("/metrics", summary="Prometheus metrics")

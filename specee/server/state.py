@@ -66,8 +66,13 @@ class ServerState:
             raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
                            "model", "model_not_found")
 
-    def admit(self, count: int) -> None:
-        """Refuse with 429 when the waiting queue would pass max_queue."""
+    def admit(self, count: int, param: str) -> None:
+        """Refuse with 429 when the waiting queue would pass max_queue; with 400 (naming `param`) a request of
+        more sequences than the server runs and queues together, which no retry would admit."""
+        if count > self.max_num_seqs + self.max_queue:
+            raise APIError(400, f"{param}: the request makes {count} sequences (prompts x n); this server runs "
+                                f"{self.max_num_seqs} (--max-num-seqs) and queues {self.max_queue} (--max-queue) at most",
+                           param, "invalid_value")
         free = max(0, self.max_num_seqs - self.worker.num_running)
         if self.num_waiting + count - free > self.max_queue:
             raise APIError(429, f"the server is at capacity ({self.num_waiting} requests waiting, "
