@@ -248,6 +248,8 @@ def test_chat_keeps_history_and_resets(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nWhat next?\n/reset\n\nAgain\n/exit\nnever read\n"))
     code, out, err = run(capsys, "chat", "--model", str(TARGET), "--max-new-tokens", "5", "--system", "Be brief.")
     assert code == 0, err
+    check, *seen = seen  # before loading: does the system prompt leave room for --max-new-tokens?
+    assert check == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}]
     assert [[m["role"] for m in msgs] for msgs in seen] == [
         ["system", "user"], ["system", "user", "assistant", "user"], ["system", "user"]]
     first_reply = seen[1][2]["content"]

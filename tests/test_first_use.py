@@ -100,7 +100,7 @@ def test_chat_refuses_unknown_commands(tiny_checkpoint, tmp_path, capsys, monkey
     code, _, err = run_cli(capsys, "chat", "--model", str(path), "--max-new-tokens", "3")
     assert code == 0, err
     assert "unknown command /foo; commands: /reset" in err and "/exit" in err
-    assert seen == [["/etc is a folder"]]  # only the escaped line reached the model
+    assert seen == [[""], ["/etc is a folder"]]  # the check before loading, then only the escaped line
 
 
 # ---- logs: no progress-bar frames; calibrate's bank outside the repository -------------------------

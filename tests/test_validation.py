@@ -78,6 +78,16 @@ def test_serve_on_a_busy_port_or_unknown_host_fails_before_the_model_loads(capsy
 
 
 @needs_models
+def test_chat_without_a_template_or_past_the_context_fails_before_the_model_loads(capsys, no_model_loads, monkeypatch):
+    """Both were found after loading; the second then printed an error at every turn and exited 0."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    code, _, err = run_cli(capsys, "chat", "--model", str(STORIES))
+    assert_one_line_error(code, err, "has no chat template, which chat needs")
+    code, _, err = run_cli(capsys, "chat", "--model", str(TARGET), "--max-new-tokens", "100000")
+    assert_one_line_error(code, err, "--max-new-tokens:", "exceeds the model's context of")
+
+
+@needs_models
 def test_a_prompt_longer_than_the_context_fails_before_the_model_loads(capsys, no_model_loads):
     """Only the tokenizer and the config are read: on a first run the kernels' build (minutes) came first."""
     code, _, err = run_cli(capsys, "generate", "--model", str(STORIES), "--no-chat", "--prompt", "once upon a time " * 400)
@@ -147,6 +157,12 @@ def test_stop_none_means_no_stop_strings(tiny_llm):
     ("x", {"device": "banana"}, ValueError, "device must be"),
     ("x", {"early_exit": [1]}, TypeError, "early_exit must be an EarlyExitConfig, a dict of its fields or None"),
     ("x", {"early_exit": {"draft": 5}}, TypeError, "draft must be a path"),
+    # found after the weights loaded, once
+    ("x", {"early_exit": {"mode": "lossy"}}, ValueError, "early_exit needs a drafter"),
+    ("x", {"early_exit": {"draft": "ngram", "bank": "/nonexistent"}}, ValueError, "'/nonexistent' is not a directory"),
+    ("x", {"kv_cache_memory": 0}, ValueError, "at least 1 token"),
+    ("x", {"kv_cache_memory": "lots"}, ValueError, "is not a size like 512MiB"),
+    ("x", {"kv_cache_dtype": "int8"}, ValueError, "kv_cache_dtype (--kv-cache-dtype) must be one of"),
 ])
 def test_llm_arguments_are_checked_first(model, kwargs, error, needle):
     with pytest.raises(error) as e:

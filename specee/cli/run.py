@@ -61,9 +61,10 @@ def use_chat_template(llm, no_chat: bool) -> bool:
     return True
 
 
-def check_fits_before_loading(args: argparse.Namespace, prompt: str, params) -> None:
+def check_fits_before_loading(args: argparse.Namespace, prompt: str, params, chat_command: bool = False) -> None:
     """A prompt too long for the model's context fails here, in a second, not after the weights load
-    (and, on a first run, the kernels build). The engine checks again; this is the early word."""
+    (and, on a first run, the kernels build). The engine checks again; this is the early word. For
+    `specee chat` (no prompt yet): a model without a chat template, or a --max-new-tokens past the context."""
     from ..engine.scheduler import check_fits
     from ..model.llama import model_config
     from ..tokenizer import Tokenizer
@@ -74,12 +75,16 @@ def check_fits_before_loading(args: argparse.Namespace, prompt: str, params) -> 
         tokenizer = Tokenizer(model_dir)
     except (ValueError, OSError):
         return  # loading says what is wrong with the checkpoint, weights first
-    chat = not args.no_chat and tokenizer.chat_template is not None
-    ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    if chat_command and tokenizer.chat_template is None:
+        raise CLIError(f"{model_dir} has no chat template, which chat needs; "
+                       "use `specee generate --no-chat --prompt ...` for raw text")
+    chat = chat_command or not args.no_chat and tokenizer.chat_template is not None
+    system = [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
+    ids = tokenizer.encode_chat([*system, {"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     try:
         check_fits(context, len(ids), params.max_tokens)
     except ValueError as e:
-        raise CLIError(f"--prompt: {cli_wording(str(e))}") from None
+        raise CLIError(f"{'--max-new-tokens' if chat_command else '--prompt'}: {cli_wording(str(e))}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -140,10 +145,8 @@ def read_line(prompt: str) -> str | None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
+    check_fits_before_loading(args, "", params, chat_command=True)
     llm = load_llm(args)
-    if llm.tokenizer.chat_template is None:
-        raise CLIError(f"{llm.model_dir} has no chat template, which chat needs; "
-                       "use `specee generate --no-chat --prompt ...` for raw text")
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict[str, str]] = list(start)
     if sys.stdin.isatty():

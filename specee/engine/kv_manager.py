@@ -46,19 +46,26 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+def check_kv_budget(value: int | str | None) -> None:
+    """What can be said of a `kv_cache_memory` without the model (LLM checks it before loading)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"kv_cache_memory (--kv-cache-memory) must be at least 1 token, got {value}")
+    elif isinstance(value, str):
+        size_bytes(value)
+    elif value is not None:
+        raise TypeError(f"kv_cache_memory (--kv-cache-memory) must be a token count or a size string, got {value!r}")
+
+
 def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtype, extra_rows: int = 0) -> int:
     """The pool's size in tokens from `--kv-cache-memory`: None (the default: at least one full-context
     request with the decoding's `extra_rows`), a token count (int), or bytes as a string with a unit
     ("512MiB", "2GB", "1.5GiB")."""
+    check_kv_budget(value)
     per_token = kv_bytes_per_token(cfg, dtype)
     if value is None:
         return max(cfg.context_limit + extra_rows, DEFAULT_KV_MEMORY // per_token)
-    if isinstance(value, int) and not isinstance(value, bool):
-        tokens = value
-    elif isinstance(value, str):
-        tokens = size_bytes(value) // per_token
-    else:
-        raise TypeError(f"kv_cache_memory (--kv-cache-memory) must be a token count or a size string, got {value!r}")
+    tokens = value if isinstance(value, int) else size_bytes(value) // per_token
     if tokens < 1:
         raise ValueError(f"kv_cache_memory (--kv-cache-memory) holds no token ({per_token} bytes per token for "
                          f"this model)")

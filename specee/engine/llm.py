@@ -16,6 +16,7 @@ from ..drafters.base import Drafter
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NGramDrafter
 from ..exit.bank import PredictorBank
+from ..model.kv_cache import check_kv_cache_dtype
 from ..model.llama import Transformer
 from ..model.quant import FloatLinear
 from ..model.resolve import resolve_model
@@ -25,7 +26,8 @@ from ..tokenizer import Tokenizer, utf8_text
 from ..exit.config import EarlyExitConfig
 from .early_exit import EarlyExitDecoding
 from .engine import Engine
-from .loading import (check_device, check_draft_tokenizers, collector_paused, load_eos_ids, merged_config,
+from .kv_manager import check_kv_budget
+from .loading import (check_device, check_early_exit, check_draft_tokenizers, collector_paused, load_eos_ids, merged_config,
                       named_drafts, resolve_dtype)
 from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, check_scheduling
 from .sequence import RequestOutput, Sequence, token_ids
@@ -82,6 +84,9 @@ class LLM:
             raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(map(str, QUANTIZATIONS))}")
         if quantization == "auto" and dev.type != "cpu":
             quantization = None  # nothing measured off the CPU yet: float weights
+        check_early_exit(early_exit)
+        check_kv_budget(kv_cache_memory)
+        check_kv_cache_dtype(kv_cache_dtype)
         self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
         if drafts := named_drafts(early_exit, speculative_config):
             check_draft_tokenizers(Tokenizer(self.model_dir), self.model_dir, drafts)

@@ -60,6 +60,16 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def check_early_exit(config: EarlyExitConfig | None) -> None:
+    """What an EarlyExitConfig must name before the model loads: a drafter, and a bank that exists."""
+    if config is None:
+        return
+    if config.draft is None:
+        raise ValueError("early_exit needs a drafter: EarlyExitConfig(draft=<a draft model> or 'ngram')")
+    if config.bank is not None and not Path(config.bank).expanduser().is_dir():
+        raise ValueError(f"early_exit: bank {config.bank!r} is not a directory (a bank from `specee calibrate`)")
+
+
 def named_drafts(early_exit: EarlyExitConfig | None, speculative_config) -> list[str]:
     """The draft models the configs name (checking the speculative_config on the way)."""
     from ..speculative.config import SpeculativeConfig

@@ -15,6 +15,11 @@ from .config import ModelConfig
 KV_CACHE_DTYPES = ("auto", "float16", "float32")  # what a cache may store (Transformer.kv_dtype_for)
 
 
+def check_kv_cache_dtype(value: str) -> None:
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+
+
 class ContextLengthError(ValueError):
     """A request does not fit the model's context window."""
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kv_cache import KV_CACHE_DTYPES, KVCache
+from .kv_cache import KVCache, check_kv_cache_dtype
 from .gguf_blocks import GGUFWeight
 from .huge_pages import move_to_huge_pages
 from .quant import FloatLinear, Linear, RefinedHead, kernel_spec, linear_from_parts
@@ -62,9 +62,7 @@ class Transformer:
         Fused q/k/v and gate/up are quantized fused; the embedding stays float (a GGUF's on the CPU:
         its blocks, rows dequantized on lookup), and a tied LM head gets its own quantized copy whose
         rows early exit can still gather. kv_cache_dtype: see `kv_dtype_for`."""
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {kv_cache_dtype!r}")
+        check_kv_cache_dtype(kv_cache_dtype)
         self.cfg, self.device, self.dtype, self.quantization = cfg, device, dtype, quantization
         H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
