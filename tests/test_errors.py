@@ -374,7 +374,7 @@ def test_ctrl_c_in_chat_stops_the_reply_not_the_conversation(ckpt, tmp_path, cap
 
     def write_out(text: str) -> None:
         writes.append(text)
-        if len(seen) == 1 and text != "\n":  # the first reply: Ctrl-C at its first piece of text
+        if len(seen) == 2 and text != "\n":  # the first reply (after the check before loading): Ctrl-C at its first text
             raise KeyboardInterrupt
 
     monkeypatch.setattr(Tokenizer, "encode_chat", spy)
@@ -383,6 +383,8 @@ def test_ctrl_c_in_chat_stops_the_reply_not_the_conversation(ckpt, tmp_path, cap
     code, _, err = run_cli(capsys, "chat", "--model", str(path), "--max-new-tokens", "6")
     assert code == 0, err
     assert "reply interrupted" in err
+    check, *seen = seen  # before loading: does an empty turn leave room for --max-new-tokens?
+    assert check == [{"role": "user", "content": ""}]
     assert [[m["role"] for m in msgs] for msgs in seen] == [["user"], ["user", "assistant", "user"]]
     assert seen[1][1]["content"] == writes[0]  # the interrupted reply keeps the text shown before Ctrl-C
     assert len([w for w in writes if w != "\n"]) > 1  # the second reply streamed
