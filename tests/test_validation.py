@@ -42,6 +42,13 @@ def no_model_loads(monkeypatch):
     (["generate", "--prompt", "hi", "--draft", "ngram", "--bank", "/nonexistent/bank"], ["--bank", "no such file"]),
     (["train-draft", "-o", "/tmp/specee-head", "--data", "/nonexistent"], ["--data", "no such file"]),
     (["distill", "-o", "/tmp/specee-distilled.json", "--data", "/nonexistent"], ["--data", "no such file"]),
+    (["bench", "speed", "--draft-tokens", "100000"], ["--draft-tokens", "0 to 64"]),  # it ran, reporting 100000
+    (["bench", "oracle", "--draft-tokens", "65"], ["--draft-tokens", "0 to 64"]),
+    (["bench", "speed", "--oracle-layers=-5"], ["--oracle-layers", "'-5'"]),  # a negative speedup ceiling, once
+    (["bench", "speed", "--check-cost", "nan"], ["--check-cost", "'nan'"]),
+    (["bench", "quality", "--ppl-file", "/nonexistent"], ["--ppl-file", "no such file"]),
+    (["bench", "speed", "--bank", "/nonexistent"], ["--bank", "no such file"]),
+    (["tune", "--prompt-file", "/nonexistent"], ["--prompt-file: /nonexistent is not found"]),
     (["generate"], ["required: --prompt", "specee generate --help"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
     (["bench", "speed", "--threshold-scale", "0"], ["bench speed", "--threshold-scale"]),

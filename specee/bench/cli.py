@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, add_threads_arg, device_arg, non_negative_int,
-                        positive_float, positive_int, positive_int_list, quantization_mode, speculative_k)
+from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, add_threads_arg, device_arg, draft_tokens, existing_path,
+                        non_negative_float, non_negative_int, positive_float, positive_int, positive_int_list,
+                        quantization_mode, speculative_k)
 from ..cli.outputs import output_dir
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, parse_list
 from .plots import draw_figures
@@ -32,7 +33,7 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
                    help="drafter: a draft model (directory or .gguf) or 'ngram' (default with the default --model: "
                         "<shared>/models/ref-draft-4L; required with --model)")
     if bank:
-        g.add_argument("--bank", metavar="DIR", default=None,
+        g.add_argument("--bank", metavar="DIR", type=existing_path, default=None,
                        help="predictor bank directory (default: calibrate once and cache under ~/.cache/specee, "
                             "or $SPECEE_CACHE)")
     g.add_argument("--k", type=speculative_k, default=4, help="speculative tokens per step (default: 4)")
@@ -66,10 +67,10 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
         e.add_argument("--online-radius", type=non_negative_int, default=1, help="online schedule radius (default 1)")
         e.add_argument("--max-pending", type=positive_int, default=8,
                        help="most carried rows / unverified tokens before a forced full-depth step (default 8)")
-        e.add_argument("--check-cost", type=float, default=0.2, metavar="C",
+        e.add_argument("--check-cost", type=non_negative_float, default=0.2, metavar="C",
                        help="a predictor check's cost in layers: layers whose exits save less per check are not "
                             "checked (default 0.2; 0 = check every scheduled layer)")
-        e.add_argument("--draft-tokens", type=non_negative_int, default=0, metavar="N",
+        e.add_argument("--draft-tokens", type=draft_tokens, default=0, metavar="N",
                        help="draft N tokens per pass with the early-exit drafter and verify them in the pass, "
                             "exits inside (speculative decoding + SpecEE; default 0: one token per pass)")
     o = p.add_argument_group("output")
@@ -298,7 +299,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--policies", default="skip,propagate,recompute", help="KV policies to run in lossy mode")
     s.add_argument("--no-lossless", action="store_true", help="skip lossless mode")
     s.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    s.add_argument("--oracle-layers", type=float, default=None, metavar="X",
+    s.add_argument("--oracle-layers", type=positive_float, default=None, metavar="X",
                    help="the oracle's mean layers run (from `specee bench oracle`): adds the speedup ceiling at "
                         "that depth to the cost breakdown")
     add_speculative_bench_args(s)
@@ -313,7 +314,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--parts", default="agreement,ppl,mc", help="which parts: agreement, ppl, mc")
     q.add_argument("--ppl-tokens", type=positive_int, default=2048, help="tokens scored for perplexity (default 2048)")
     q.add_argument("--ppl-window", type=positive_int, default=512, help="perplexity window in tokens (default 512)")
-    q.add_argument("--ppl-file", metavar="FILE", default=None,
+    q.add_argument("--ppl-file", metavar="FILE", type=existing_path, default=None,
                    help="text for perplexity (default: <shared>/data/text/wikitext2_test.txt)")
     q.add_argument("--mc-tasks", default="csqa,sst2,mmlu", help="multiple-choice tasks: csqa, sst2, mmlu")
     q.add_argument("--mc-items", type=positive_int, default=100, help="items per task (default 100)")
@@ -325,7 +326,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                        description="Logit-lens oracle: the first layer whose argmax is and stays the final token, "
                                    "full depth where the drafter's top-k misses it; bound = L / mean.")
     add_common_args(o, bank=False, ee_options=False, count=3, max_new_tokens=128)
-    o.add_argument("--draft-tokens", type=non_negative_int, default=0, metavar="N",
+    o.add_argument("--draft-tokens", type=draft_tokens, default=0, metavar="N",
                    help="also bound exits inside speculative verification passes of N drafted tokens (default: 0)")
     o.set_defaults(func=cmd_oracle)
 

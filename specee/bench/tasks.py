@@ -31,7 +31,7 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     is used, an alpaca instruction and input, `prompt` or `question`) or raw `text`; or plain text
     with one prompt per line."""
     if not path.is_file():
-        raise BenchError(f"prompt file not found: {path}")
+        raise BenchError(f"{path} is {'a directory, not a prompt file' if path.is_dir() else 'not found'}")
     try:
         records = read_file(path)
     except ValueError as e:  # bad JSON or encoding: a one-line error naming the file

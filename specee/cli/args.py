@@ -208,6 +208,14 @@ def prefill_chunk_arg(value: str) -> int:
     return n
 
 
+def draft_tokens(value: str) -> int:
+    """--draft-tokens of `specee bench`: 0 (one token per pass) to MAX_K, as --k and num_speculative_tokens."""
+    n = _int_at_least(value, 0, "non-negative")
+    if n > MAX_K:
+        raise argparse.ArgumentTypeError(f"expected 0 to {MAX_K} draft tokens per pass, got {value!r}")
+    return n
+
+
 def speculative_k(value: str) -> int:
     """--k: checked here, before a model loads or a calibration starts (a huge k would fail minutes later)."""
     k = _int_at_least(value, 1, "positive")

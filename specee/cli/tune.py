@@ -55,13 +55,18 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
 
 
 def prompt_texts(args: argparse.Namespace) -> list[str]:
+    from ..bench.common import BenchError
     from ..bench.tasks import read_prompt_file
     from ..tune.measure import BUILTIN_PROMPTS
 
     if args.prompt_file is None:
         texts, source = list(BUILTIN_PROMPTS), "built-in prompts"
     else:
-        texts, source = [p.text for p in read_prompt_file(Path(args.prompt_file).expanduser())], args.prompt_file
+        try:
+            texts = [p.text for p in read_prompt_file(Path(args.prompt_file).expanduser())]
+        except BenchError as e:
+            raise CLIError(f"--prompt-file: {e}") from None
+        source = f"prompts in {args.prompt_file}"
     if args.prompts > len(texts):
         raise CLIError(f"--prompts {args.prompts}: there are {len(texts)} {source}"
                        + ("" if args.prompt_file else " (--prompt-file PATH times on more)"))

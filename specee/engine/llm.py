@@ -27,8 +27,8 @@ from ..exit.config import EarlyExitConfig
 from .early_exit import EarlyExitDecoding
 from .engine import Engine
 from .kv_manager import check_kv_budget
-from .loading import (check_device, check_early_exit, check_draft_tokenizers, collector_paused, load_eos_ids, merged_config,
-                      named_drafts, resolve_dtype)
+from .loading import (check_device, check_draft_tokenizers, check_early_exit, collector_paused, load_eos_ids,
+                      merged_config, named_drafts, resolve_dtype)
 from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, check_scheduling
 from .sequence import RequestOutput, Sequence, token_ids
 from .teacher import TeacherForcedStep
