@@ -49,6 +49,11 @@ def no_model_loads(monkeypatch):
     (["bench", "quality", "--ppl-file", "/nonexistent"], ["--ppl-file", "no such file"]),
     (["bench", "speed", "--bank", "/nonexistent"], ["--bank", "no such file"]),
     (["tune", "--prompt-file", "/nonexistent"], ["--prompt-file: /nonexistent is not found"]),
+    (["bench", "quality", "--policies", "bogus"], ["--policies: unknown ['bogus']"]),  # found after loading, once
+    (["bench", "sweep", "--scales", "x"], ["--scales: bad list"]),
+    (["bench", "sweep", "--scales", "nan"], ["--scales must be finite and > 0"]),
+    (["bench", "sweep", "--online-windows", "x"], ["--online-windows: bad list"]),
+    (["bench", "sweep", "--offline-sizes=-1"], ["--offline-sizes must be >= 0"]),
     (["generate"], ["required: --prompt", "specee generate --help"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
     (["bench", "speed", "--threshold-scale", "0"], ["bench speed", "--threshold-scale"]),

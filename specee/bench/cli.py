@@ -148,14 +148,28 @@ def finish(args: argparse.Namespace, report: dict[str, Any], markdown: str, figu
 
 
 # ---- the benchmarks ---------------------------------------------------------------------------
+def flag_list(args: argparse.Namespace, flag: str, kind=str) -> list:
+    """The comma-separated values of `flag`, parsed before any model loads; an error names the flag."""
+    try:
+        return parse_list(getattr(args, flag[2:].replace("-", "_")), kind) or []
+    except BenchError as e:
+        raise BenchError(f"{flag}: {e}") from None
+
+
+def checked_policies(args: argparse.Namespace) -> list[str]:
+    from .speed import POLICIES
+
+    policies = flag_list(args, "--policies")
+    if bad := [p for p in policies if p not in POLICIES]:
+        raise BenchError(f"--policies: unknown {bad}; choose from {', '.join(POLICIES)}")
+    return policies
+
+
 def cmd_speed(args: argparse.Namespace) -> int:
     from . import plots
-    from .speed import POLICIES, run_speed, speed_markdown
+    from .speed import run_speed, speed_markdown
 
-    policies = parse_list(args.policies) or []
-    bad = [p for p in policies if p not in POLICIES]
-    if bad:
-        raise BenchError(f"--policies: unknown {bad}; choose from {', '.join(POLICIES)}")
+    policies = checked_policies(args)
     model, draft = resolve_models(args)
     prompts = prompts_from(args)
     llm = load_target(args, model)
@@ -179,10 +193,11 @@ def cmd_quality(args: argparse.Namespace) -> int:
     bad = [t for t in tasks if t not in MC_TASKS]
     if bad:
         raise BenchError(f"--mc-tasks: unknown {bad}; choose from {', '.join(MC_TASKS)}")
+    policies = checked_policies(args)  # an unknown one failed after the model loaded
     model, draft = resolve_models(args)
     prompts = prompts_from(args) if "agreement" in parts else []
     llm = load_target(args, model)
-    report = run_quality(llm, prompts, draft=draft, bank=args.bank, k=args.k, policies=parse_list(args.policies) or [],
+    report = run_quality(llm, prompts, draft=draft, bank=args.bank, k=args.k, policies=policies,
                          parts=parts, max_new_tokens=args.max_new_tokens, chat=args.chat, ppl_tokens=args.ppl_tokens,
                          ppl_window=args.ppl_window, ppl_file=args.ppl_file, mc_tasks=tasks, mc_items=args.mc_items,
                          shots=args.shots, mmlu_subjects=parse_list(args.mmlu_subjects), shared=args.shared,
@@ -225,16 +240,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     if args.policy not in POLICIES:
         raise BenchError(f"--policy must be one of {', '.join(POLICIES)}")
-    scales = parse_list(args.scales, float) or []
-    if any(s <= 0 for s in scales):
-        raise BenchError("--scales must be > 0")
+    scales = flag_list(args, "--scales", float)
+    if any(not 0 < s < float("inf") for s in scales):
+        raise BenchError(f"--scales must be finite and > 0, got {args.scales!r}")
+    online_windows = flag_list(args, "--online-windows", int)
+    if any(w < 0 for w in online_windows):
+        raise BenchError(f"--online-windows must be >= 0, got {args.online_windows!r}")
+    offline_sizes = _offline_sizes(args.offline_sizes)
+    if any(n is not None and n < 0 for n in offline_sizes):
+        raise BenchError(f"--offline-sizes must be >= 0 or 'bank', got {args.offline_sizes!r}")
     model, draft = resolve_models(args)
     prompts = prompts_from(args)
     llm = load_target(args, model)
     opts = ee_options(args)
     report = run_sweep(llm, prompts, draft=draft, bank=args.bank, k=args.k, policy=args.policy, scales=scales,
-                       offline_sizes=_offline_sizes(args.offline_sizes),
-                       online_windows=parse_list(args.online_windows, int) or [], grid=args.grid,
+                       offline_sizes=offline_sizes, online_windows=online_windows, grid=args.grid,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, chat=args.chat,
                        ee_options=opts, show_progress=not args.no_progress, argv=argv_of(args))
     return finish(args, report, sweep_markdown(report), {"pareto.png": plots.plot_pareto})
