@@ -51,28 +51,30 @@ def median_ratio(a: list[float], b: list[float]) -> float:
     return round(statistics.median(x / y for x, y in zip(a, b)), 3)
 
 
-def serve(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> tuple[float, float, int, list]:
-    """Serving `prompts`, `concurrency` at a time: wall seconds end to end, the decode phase's (a group's
-    requests decode together after their prefills: its longest decode time) and its tokens, and each
-    prompt's generated tokens."""
+def serve(group, count: int, concurrency: int) -> tuple[float, float, int, list]:
+    """Serving `count` prompts, `concurrency` at a time (`group(i, j)` decodes prompts i..j-1 together: their
+    tokens, decode-phase tokens and seconds): wall seconds end to end, the decode phase's (a group's requests
+    decode together after their prefills: its longest decode time) and its tokens, and each prompt's tokens."""
     tokens, decoded, decode_seconds, t0 = [], 0, 0.0, time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        outs = llm.generate(prompts[i:i + concurrency], params, chat=True)
-        tokens += [list(o.token_ids) for o in outs]
-        decoded += sum(o.stats.decode_tokens for o in outs)
-        decode_seconds += max(o.stats.decode_seconds for o in outs)
+    for i in range(0, count, concurrency):
+        outs, n, seconds = group(i, min(i + concurrency, count))
+        tokens, decoded, decode_seconds = tokens + outs, decoded + n, decode_seconds + seconds
     return time.perf_counter() - t0, decode_seconds, decoded, tokens
 
 
-def serve_llama_cpp(peer, ids: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, float, int, list]:
-    """The same as `serve` for llama.cpp's batched decoding of the same token ids."""
-    tokens, decoded, decode_seconds, t0 = [], 0, 0.0, time.perf_counter()
-    for i in range(0, len(ids), concurrency):
-        outs, _, decode = peer.run_batch(ids[i:i + concurrency], max_tokens)
-        tokens += outs
-        decoded += sum(len(o) - 1 for o in outs)
-        decode_seconds += decode
-    return time.perf_counter() - t0, decode_seconds, decoded, tokens
+def specee_group(llm: LLM, prompts: list[str], params: SamplingParams):
+    def group(i: int, j: int):
+        outs = llm.generate(prompts[i:j], params, chat=True)
+        return ([list(o.token_ids) for o in outs], sum(o.stats.decode_tokens for o in outs),
+                max(o.stats.decode_seconds for o in outs))
+    return group
+
+
+def llama_cpp_group(peer, ids: list[list[int]], max_tokens: int):
+    def group(i: int, j: int):
+        outs, _, decode = peer.run_batch(ids[i:j], max_tokens)
+        return outs, sum(len(o) - 1 for o in outs), decode
+    return group
 
 
 def main() -> None:
@@ -119,23 +121,22 @@ def main() -> None:
             # the order flips from one concurrency to the next and from round to round, so each concurrency's
             # modes take both places (a turn counted over concurrencies gave c=1 and c=8 one order each)
             for name, config in modes if (rnd + ci) % 2 == 0 else modes[::-1]:
-                if config is peer is not None:
-                    peer.run_batch(ids[:2], 8)  # warm-up
-                    seconds, decode_seconds, decoded, outputs[name][c] = serve_llama_cpp(peer, ids, args.max_tokens, c)
-                    samples[name].setdefault(f"c{c}", []).append(len(prompts) * args.max_tokens / seconds)
-                    samples[name].setdefault(f"decode_c{c}", []).append(decoded / decode_seconds)
-                    continue
-                if name in decoders:
-                    llm.early_exit, llm.speculative = decoders[name]
-                elif isinstance(config, EarlyExitConfig):
-                    llm.enable_early_exit(config)
-                    llm.calibrate()
+                if peer is not None and config is peer:
+                    warm_up, group = llama_cpp_group(peer, ids, 8), llama_cpp_group(peer, ids, args.max_tokens)
                 else:
-                    llm.early_exit = None
-                    llm.enable_speculative(config)
-                decoders[name] = llm.early_exit, llm.speculative
-                serve(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
-                seconds, decode_seconds, decoded, outputs[name][c] = serve(llm, prompts, params, c)
+                    if name in decoders:
+                        llm.early_exit, llm.speculative = decoders[name]
+                    elif isinstance(config, EarlyExitConfig):
+                        llm.enable_early_exit(config)
+                        llm.calibrate()
+                    else:
+                        llm.early_exit = None
+                        llm.enable_speculative(config)
+                    decoders[name] = llm.early_exit, llm.speculative
+                    warm_up = specee_group(llm, prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+                    group = specee_group(llm, prompts, params)
+                serve(warm_up, 2, 2)
+                seconds, decode_seconds, decoded, outputs[name][c] = serve(group, len(prompts), c)
                 samples[name].setdefault(f"c{c}", []).append(sum(map(len, outputs[name][c])) / seconds)
                 samples[name].setdefault(f"decode_c{c}", []).append(decoded / decode_seconds)
     results = []

@@ -57,6 +57,7 @@ def utf8_text(text: str | bytes, what: str = "prompt") -> str:
 # `encode` holds it, so a server's 4 MB prompt stopped its event loop, every stream with it, for 3 s
 LONG_TEXT = 1 << 16
 
+
 class Tokenizer:
     """source: a checkpoint directory (tokenizer.json, tokenizer_config.json) or a .gguf file."""
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from typing import Literal
 
