@@ -432,3 +432,34 @@ def test_the_cpu_greedy_kernel_picks_torchs_token_on_ties_nans_and_infinities():
                 kernels.use_level(before)
             assert got.tolist() == want.tolist(), (vocab, level)
     assert greedy(x[:, ::2]).tolist() == greedy(x[:, ::2].contiguous()).tolist()  # a strided view
+
+
+def test_extreme_sampling_stops_and_duplicate_ids_on_the_default_quantized_path():
+    """This session's sampling, stop-string and request-id fixes on what users run: SmolLM2's Q4_1 file on the
+    C++ int4 path (quantization "auto"), every request in one batch beside the others."""
+    import dataclasses
+
+    from conftest import SMOLLM2_GGUF
+    from engine_helpers import sequence
+
+    if not SMOLLM2_GGUF.exists():
+        pytest.skip(f"real model SmolLM2 not available: {SMOLLM2_GGUF} is absent")
+    llm = LLM(SMOLLM2_GGUF)
+    assert llm.quantization == "auto" and llm.model.fast_stack is not None, "test premise: the C++ quantized path"
+    prompts = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea."]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    alone = [llm.generate(p, greedy, chat=True)[0] for p in prompts]
+    full = alone[2].text
+    early, late = full[4:7], full[12:16]
+    assert full.find(early) == 4 and full.find(late) == 12, "test premise: both stop strings first occur there"
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=1e-300),
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, top_p=1e-300, seed=1),
+              SamplingParams(max_tokens=24, ignore_eos=True, stop=[late, early])]
+    outs = llm.generate(prompts, params, chat=True)
+    assert outs[0].token_ids == alone[0].token_ids and outs[1].token_ids == alone[1].token_ids
+    assert outs[2].finish_reason == "stop" and outs[2].text == full[:4]
+    first, second = (dataclasses.replace(sequence(llm, p, greedy), request_id="same") for p in prompts[:2])
+    handles = llm.worker.submit_all([first, second])
+    results = [h.result(timeout=120) for h in handles]
+    assert results[1].finish_reason == "error" and "already in flight" in results[1].error
+    assert results[0].token_ids == llm.generate(prompts[0], greedy)[0].token_ids
