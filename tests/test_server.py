@@ -222,7 +222,7 @@ def test_models_tokenize_detokenize_health_and_metrics(stories):
     assert server.request("GET", "/health")[0] == 200
     status, headers, text = server.request("GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    for name in ("num_requests_running", "num_requests_waiting", "prompt_tokens_total", "generation_tokens_total",
+    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "spec_decode_num_accepted_tokens_total", "early_exit_layer_bucket"):
         assert f"specee:{name}" in text.decode()

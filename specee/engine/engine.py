@@ -71,6 +71,10 @@ class Engine:
         """Requests its steps decode now (the scheduler's running ones; the others it holds wait)."""
         return len(self.scheduler.running)
 
+    def num_parked(self) -> int:
+        """Running requests parked out of the KV pool until blocks come free (scheduler.py)."""
+        return len(self.scheduler.parked)
+
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """One step of every running request (newcomers: their prefill); returns those that finished."""

@@ -1,10 +1,13 @@
 """The KV-cache manager: it owns all cache memory, one preallocated pool of fixed-size blocks.
 
-A request is admitted with a run of consecutive blocks big enough for everything it can write
-(prompt + max_tokens + the draft rows of one verification pass), and keeps it until it finishes.
-So requests join and leave without copying anyone's rows, rollback after a rejected draft is a
-length change (`KVCache.length`), the per-layer fill state of layers that early exit skipped
-lives in the pool beside the K/V, and a request never runs out of room mid-decode (no preemption).
+A request holds a run of consecutive blocks: at admission enough for its prompt, the draft rows of
+one verification pass and its first new tokens (the scheduler's choice), then more as it decodes
+(`grow`: the blocks after its run where they are free, else a longer run elsewhere, its own rows
+copied). Requests join and leave without copying anyone else's rows, rollback after a rejected
+draft is a length change (`KVCache.length`), and the per-layer fill state of layers that early exit
+skipped lives in the pool beside the K/V. When a run cannot grow, the scheduler parks a request
+(`park`: its run's contents move out of the pool, exactly, vLLM's swap) and brings it back later
+(`restore`), so its tokens do not change.
 
 Why consecutive blocks rather than vLLM's scattered blocks with a block table: a request's cache
 is then a strided view of the pool, which attention on the CPU reads in place (scaled dot-product
@@ -135,20 +138,67 @@ class KVCacheManager:
         """A cache of at least `tokens` slots for request `owner`, or None while no run of free
         blocks is long enough (the request waits)."""
         need = self.blocks_for(tokens)
-        for i, (first, n) in enumerate(self.free_runs):
-            if n >= need:
-                if n == need:
-                    del self.free_runs[i]
-                else:
-                    self.free_runs[i] = (first + need, n - need)
-                self.owned[owner] = (first, need)
-                lo, hi = first * BLOCK_SIZE, (first + need) * BLOCK_SIZE
-                # zeros, never garbage: a masked (unfilled) slot still enters attention's products, weighted 0
-                self.k[:, :, :, lo:hi] = 0
-                self.v[:, :, :, lo:hi] = 0
-                self.filled[:, :, lo:hi] = False
-                return self.view(lo, hi)
-        return None
+        first = self._take(need)
+        if first is None:
+            return None
+        self.owned[owner] = (first, need)
+        self._clear(first, need)
+        return self.view(first * BLOCK_SIZE, (first + need) * BLOCK_SIZE)
+
+    def grow(self, owner: str, cache: KVCache, tokens: int) -> bool:
+        """Give `owner`'s cache at least `tokens` slots: its run extended where the blocks after it
+        are free, else moved (its own rows copied) to a free run that long, or to one its run makes
+        with the free runs either side; False if none fits (it stays as it was)."""
+        first, held = self.owned[owner]
+        need = self.blocks_for(tokens)
+        if need <= held:
+            return True
+        i = bisect.bisect(self.free_runs, (first + held, -1))
+        if i < len(self.free_runs) and self.free_runs[i][0] == first + held and self.free_runs[i][1] >= need - held:
+            at, n = self.free_runs[i]
+            if n == need - held:
+                del self.free_runs[i]
+            else:
+                self.free_runs[i] = (at + need - held, n - need + held)
+            self._clear(first + held, need - held)
+            to = first
+        else:
+            to = self._take(need)
+            if to is None:  # none elsewhere: perhaps its own run with the free runs either side of it
+                beside = sum(n for at, n in self.free_runs if at + n == first or at == first + held)
+                if held + beside < need:
+                    return False
+                self._release((first, held))
+                to = self._take(need)
+                self._move(first, held, to)
+            else:
+                self._move(first, held, to)
+                self._release((first, held))
+            self._clear(to + held, need - held)
+        self.owned[owner] = (to, need)
+        self._rebind(cache, to, need)
+        return True
+
+    def park(self, owner: str, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Move `owner`'s rows out of the pool (to host memory) and free its run; `restore` puts them back."""
+        saved = tuple(t.to("cpu", copy=True) for t in (cache.k, cache.v, cache.filled))
+        self.free(owner)
+        return saved
+
+    def restore(self, owner: str, cache: KVCache, saved: tuple[torch.Tensor, ...], tokens: int) -> bool:
+        """Put parked rows back in a run of at least `tokens` slots; False while no free run is that long."""
+        slots, need = saved[0].shape[3], self.blocks_for(max(tokens, saved[0].shape[3]))
+        first = self._take(need)
+        if first is None:
+            return False
+        self.owned[owner] = (first, need)
+        lo = first * BLOCK_SIZE
+        for pool, rows in zip((self.k, self.v), saved[:2]):
+            pool[:, :, :, lo : lo + slots] = rows
+        self.filled[:, :, lo : lo + slots] = saved[2]
+        self._clear(first + slots // BLOCK_SIZE, need - slots // BLOCK_SIZE)
+        self._rebind(cache, first, need)
+        return True
 
     def view(self, lo: int, hi: int) -> KVCache:
         """A one-row cache over the pool's slots [lo, hi) (a request's run; a graphed step's span)."""
@@ -158,8 +208,21 @@ class KVCacheManager:
     def free(self, owner: str) -> None:
         """Return `owner`'s run to the pool, merged with free neighbours (a no-op if it has none)."""
         run = self.owned.pop(owner, None)
-        if run is None:
-            return
+        if run is not None:
+            self._release(run)
+
+    def _take(self, need: int) -> int | None:
+        """The first block of a run of `need` free blocks, taken from the first free run that long."""
+        for i, (first, n) in enumerate(self.free_runs):
+            if n >= need:
+                if n == need:
+                    del self.free_runs[i]
+                else:
+                    self.free_runs[i] = (first + need, n - need)
+                return first
+        return None
+
+    def _release(self, run: tuple[int, int]) -> None:
         i = bisect.bisect(self.free_runs, run)
         self.free_runs.insert(i, run)
         if i + 1 < len(self.free_runs) and run[0] + run[1] == self.free_runs[i + 1][0]:
@@ -167,3 +230,22 @@ class KVCacheManager:
         if i > 0 and self.free_runs[i - 1][0] + self.free_runs[i - 1][1] == self.free_runs[i][0]:
             prev = self.free_runs.pop(i - 1)
             self.free_runs[i - 1] = (prev[0], prev[1] + self.free_runs[i - 1][1])
+
+    def _move(self, first: int, blocks: int, to: int) -> None:
+        """Copy a run's contents to the blocks from `to` on (the two may overlap)."""
+        lo, hi, dst = first * BLOCK_SIZE, (first + blocks) * BLOCK_SIZE, to * BLOCK_SIZE
+        for t in (self.k, self.v):
+            t[:, :, :, dst : dst + hi - lo] = t[:, :, :, lo:hi].clone()
+        self.filled[:, :, dst : dst + hi - lo] = self.filled[:, :, lo:hi].clone()
+
+    def _clear(self, first: int, blocks: int) -> None:
+        """Zeros, never garbage, in blocks a request takes: a masked (unfilled) slot still enters
+        attention's products, weighted 0."""
+        lo, hi = first * BLOCK_SIZE, (first + blocks) * BLOCK_SIZE
+        self.k[:, :, :, lo:hi] = 0
+        self.v[:, :, :, lo:hi] = 0
+        self.filled[:, :, lo:hi] = False
+
+    def _rebind(self, cache: KVCache, first: int, blocks: int) -> None:
+        lo, hi = first * BLOCK_SIZE, (first + blocks) * BLOCK_SIZE
+        cache.rebind(self.k[:, :, :, lo:hi], self.v[:, :, :, lo:hi], self.filled[:, :, lo:hi], self.slot_ids, lo)

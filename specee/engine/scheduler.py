@@ -4,8 +4,11 @@ A request is checked when it is added (empty prompt, context, the cache pool's s
 never run ends at once with finish_reason "error" and its message, and nobody else sees it. A
 waiting request is admitted, in arrival order, when a running slot (`max_num_seqs`), the step's
 token budget (`max_num_batched_tokens`: one row per decoding request plus the prompt rows of the
-step) and a run of cache blocks are free; otherwise it waits. Admission reserves all the cache the
-request can use, so a running request never stalls for memory.
+step) and a run of cache blocks are free; otherwise it waits. Its first run holds its prompt, the
+draft rows of one step and up to FIRST_ROOM new tokens; before each step a run grows to hold what
+the step writes (kv_manager.py). Where it cannot, the newest running request is parked: its rows
+leave the pool exactly as they are, and it comes back, before any newcomer, when blocks come free,
+so memory shapes only when a request's tokens come, never which (vLLM's preemption, by swapping).
 
 Chunked prefill: a prompt longer than `prefill_chunk` tokens is prefilled a part at a time, one part
 a step, so that a long prompt does not stop everyone else's decoding for the whole of its prefill.
@@ -28,6 +31,8 @@ from ..model.kv_cache import ContextLengthError, KVCache
 from .kv_manager import KVCacheManager
 from .scheduling import prompt_part_end
 from .sequence import Sequence
+
+FIRST_ROOM = 256  # new tokens a request's first run holds; more as it decodes (a requested max_tokens is a bound, not a reservation)
 
 
 def check_fits(context_limit: int, prompt_len: int, max_tokens: int) -> int:
@@ -68,6 +73,8 @@ class Running:
     state: Any = None  # the decoding's per-request state (a drafter, speculation stats, this step's draft)
     decode_since: float = 0.0
     first_tokens: int = 0  # what the forward that ended its prefill emitted (counted as the prefill's)
+    admitted: int = 0  # admission order: the newest running request is parked first
+    parked: tuple[torch.Tensor, ...] | None = None  # its run's contents while out of the pool (KVCacheManager.park)
 
 
 class Scheduler:
@@ -79,6 +86,8 @@ class Scheduler:
         self.prefill_chunk, self.prefill_length = prefill_chunk, prefill_length
         self.waiting: deque[Sequence] = deque()
         self.running: list[Running] = []
+        self.parked: list[Running] = []  # out of the pool until blocks come free, oldest admitted first
+        self.admissions = 0
         self.failed: list[Sequence] = []  # ended at add_request; returned by the next step
 
     def check(self, seq: Sequence) -> None:
@@ -101,19 +110,27 @@ class Scheduler:
 
     def _new_id(self, seq: Sequence) -> None:
         rid = seq.request_id
-        if any(s.request_id == rid for s in self.waiting) or any(r.seq.request_id == rid for r in self.running):
+        if (any(s.request_id == rid for s in self.waiting)
+                or any(r.seq.request_id == rid for r in self.running + self.parked)):
             raise ValueError(f"request_id {rid!r} is already in flight; give every request its own id")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.failed)
+        return bool(self.waiting or self.running or self.parked or self.failed)
 
     def part(self, r: Running) -> tuple[int, int]:
         """The prompt tokens [start, end) of a request's next prefill part."""
         return r.prefill_done, prompt_part_end(r.prefill_done, self.prefill_length(r.seq), self.prefill_chunk)
 
+    def slots(self, seq: Sequence, new_tokens: int) -> int:
+        """Cache slots a request needs once it has `new_tokens` tokens (with its decoding's draft rows)."""
+        return len(seq.prompt_ids) + min(new_tokens, seq.params.max_tokens) + self.extra_rows
+
     def schedule(self) -> list[Running]:
-        """The requests of the next step: the decoding ones, those in the middle of their prefill whose
-        next part fits the budget, then newcomers admitted in order while theirs fits."""
+        """The requests of the next step: the decoding ones (each run grown to hold the step's rows),
+        parked ones that fit again, those in the middle of their prefill whose next part fits the budget,
+        then, while nobody is parked, newcomers admitted in order while theirs fits."""
+        self._make_room()
+        self._bring_back()
         budget = self.max_num_batched_tokens - sum(r.prefilled for r in self.running)
         batch, prefills = [], 0
         for r in self.running:
@@ -123,21 +140,52 @@ class Scheduler:
                     continue  # its next part waits for a step with room
                 budget, prefills = budget - (end - start), prefills + 1
             batch.append(r)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and not self.parked and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             rows = prompt_part_end(0, self.prefill_length(seq), self.prefill_chunk)
             if prefills and rows > budget:  # at least one prompt part runs a step
                 break
-            cache = self.kv.allocate(seq.request_id, len(seq.prompt_ids) + seq.params.max_tokens + self.extra_rows)
+            cache = self.kv.allocate(seq.request_id, self.slots(seq, FIRST_ROOM))
             if cache is None:  # waits for blocks to come free (first come, first served)
                 break
             self.waiting.popleft()
             budget, prefills = budget - rows, prefills + 1
             seq.stats.scheduled_time = time.monotonic()
-            r = Running(seq, cache, seq.params.make_generator(cache.k.device))
+            r = Running(seq, cache, seq.params.make_generator(cache.k.device), admitted=self.admissions)
+            self.admissions += 1
             self.running.append(r)
             batch.append(r)
         return batch
+
+    def _make_room(self) -> None:
+        """Grow every decoding request's run, oldest first, to hold its next step's rows; where one cannot
+        grow, park the newest running request (perhaps itself) and try again."""
+        for r in sorted(self.running, key=lambda r: r.admitted):
+            while r.prefilled and r.parked is None and not self.kv.grow(r.seq.request_id, r.cache, self._size(r)):
+                newest = max(self.running, key=lambda r: r.admitted)
+                newest.parked = self.kv.park(newest.seq.request_id, newest.cache)
+                self.running = [x for x in self.running if x is not newest]
+                self.parked = sorted(self.parked + [newest], key=lambda r: r.admitted)
+
+    def _size(self, r: Running) -> int:
+        """The slots a decoding request's run is to hold before its next step: room for the step's rows,
+        and where the run must grow for them, room for as many new tokens again (runs double: moves are rare)."""
+        full = self.slots(r.seq, r.seq.params.max_tokens)  # its whole reservation: every decoding stays within it
+        # a step writes from its cache length on (lossless early exit: one past it, to verify unverified tokens)
+        need = min(full, max(self.slots(r.seq, len(r.seq.output_ids) + 1), r.cache.length + self.extra_rows + 2))
+        if need <= r.cache.max_len:
+            return need
+        return max(need, self.slots(r.seq, 2 * (r.cache.max_len - len(r.seq.prompt_ids) - self.extra_rows)))
+
+    def _bring_back(self) -> None:
+        """Parked requests back in the pool, oldest first, while their runs fit and slots are free."""
+        while self.parked and len(self.running) < self.max_num_seqs:
+            r = self.parked[0]
+            size = self._size(r) if r.prefilled else r.parked[0].shape[3]
+            if not self.kv.restore(r.seq.request_id, r.cache, r.parked, size):
+                return
+            r.parked = None
+            self.running.append(self.parked.pop(0))
 
     def retire(self) -> tuple[list[Sequence], list[Running]]:
         """The requests that ended since the last call: those refused at add_request, and the running
@@ -153,9 +201,11 @@ class Scheduler:
     def abort(self, seq: Sequence) -> Running | None:
         """Take `seq` out, waiting or running (it finishes as "abort"; its blocks come free now).
         Returns its running state, if it was running."""
-        running = next((r for r in self.running if r.seq is seq), None)
+        running = next((r for r in self.running + self.parked if r.seq is seq), None)
         if running is not None:
             self.running = [r for r in self.running if r is not running]
+            self.parked = [r for r in self.parked if r is not running]
+            running.parked = None
             self.kv.free(seq.request_id)
         else:  # by identity: two requests with the same prompt and parameters compare equal
             self.waiting = deque(s for s in self.waiting if s is not seq)

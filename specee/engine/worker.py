@@ -132,6 +132,11 @@ class EngineThread:
         turn (max_num_seqs, the KV-cache budget), as do those not yet given to it."""
         return self.engine.num_running()
 
+    @property
+    def num_parked(self) -> int:
+        """Requests the engine parked out of its KV pool (their rows in host memory) until blocks come free."""
+        return self.engine.num_parked()
+
     def stop(self, timeout: float | None = None) -> None:
         """End the thread after aborting what is in flight (from the thread itself: without waiting)."""
         self._commands.put(("stop", None))

@@ -48,14 +48,19 @@ class KVCache:
         pool blocks): k, v [layers, 1, kv_heads, len, D] views, filled [layers, 1, len]; pool_slot:
         where its slot 0 lies in the pool."""
         cache = object.__new__(cls)
-        cache.pool_slot = pool_slot
-        cache.k, cache.v, cache.filled = k, v, filled
-        cache.max_len = k.shape[3]
-        cache.length = 0
-        cache.slot_ids = slot_ids[: cache.max_len]
-        cache.padded = False
-        cache.k_layers, cache.v_layers = k.unbind(0), v.unbind(0)
+        cache.length, cache.padded = 0, False
+        cache.rebind(k, v, filled, slot_ids, pool_slot)
         return cache
+
+    def rebind(self, k: torch.Tensor, v: torch.Tensor, filled: torch.Tensor, slot_ids: torch.Tensor,
+               pool_slot: int) -> None:
+        """Point this cache at other pool storage holding its rows (its run grew or moved; its length
+        stays): whoever holds the cache (a KV policy, a drafter's state) sees the new run."""
+        self.pool_slot = pool_slot
+        self.k, self.v, self.filled = k, v, filled
+        self.max_len = k.shape[3]
+        self.slot_ids = slot_ids[: self.max_len]
+        self.k_layers, self.v_layers = k.unbind(0), v.unbind(0)
 
     def mark_filled(self, layers: slice, slots: torch.Tensor | slice) -> None:
         """Record that `layers` now hold K/V for `slots` (called once per step, not per layer)."""

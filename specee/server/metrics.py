@@ -16,7 +16,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 class Metrics:
     def __init__(self, model_name: str, running: Callable[[], int], waiting: Callable[[], int],
-                 num_layers: int = 0):
+                 parked: Callable[[], int], num_layers: int = 0):
         self.registry = r = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": r}
         self.model_name = model_name
@@ -25,6 +25,9 @@ class Metrics:
         self.running.labels(model_name).set_function(running)
         self.waiting = Gauge("specee:num_requests_waiting", "Requests waiting for one of those places", **label)
         self.waiting.labels(model_name).set_function(waiting)
+        self.swapped = Gauge("specee:num_requests_swapped", "Requests parked out of the KV cache, their rows in host "
+                             "memory, until it has room (counted as waiting too)", **label)
+        self.swapped.labels(model_name).set_function(parked)
         self.prompt_tokens = Counter("specee:prompt_tokens", "Prefill tokens processed", **label)
         self.generation_tokens = Counter("specee:generation_tokens", "Generated tokens", **label)
         self.success = Counter("specee:request_success", "Finished requests, by finish reason",

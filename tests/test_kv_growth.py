@@ -1,0 +1,123 @@
+"""Runs that grow as requests decode, and requests parked out of a full pool: a request's first run holds
+FIRST_ROOM new tokens (not its whole max_tokens), so a pool serves more requests at once; memory then
+decides only when a request's tokens come, never which."""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from ee_helpers import EXIT_MODES
+from engine_helpers import DRAFT, LOSSLESS, MODES, PROMPTS, SMALL, mode_llms_for, sequence, solo
+
+from specee import SamplingParams
+from specee.engine import scheduler
+from specee.engine.engine import Engine
+from specee.engine.kv_manager import BLOCK_SIZE, KVCacheManager
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module", params=[None, "int4"], ids=["float", "int4"])
+def mode_llms(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("growth")
+    return mode_llms_for(make_checkpoint(root / "m", SMALL, seed=2), make_checkpoint(root / "d", DRAFT, seed=2),
+                         request.param)
+
+
+def pool(blocks: int) -> KVCacheManager:
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4)  # what the pool's shape reads
+    return KVCacheManager(cfg, torch.device("cpu"), torch.float32, blocks * BLOCK_SIZE)
+
+
+def fill(kv: KVCacheManager, cache, value: float) -> None:
+    cache.k.fill_(value)
+    cache.v.fill_(-value)
+    cache.filled[:, :, ::2] = True
+    cache.length = 5
+
+
+def test_a_run_grows_in_place_moves_with_its_own_rows_and_parks_exactly():
+    kv = pool(8)
+    a, b = kv.allocate("a", BLOCK_SIZE), kv.allocate("b", BLOCK_SIZE)
+    fill(kv, a, 1.0)
+    fill(kv, b, 2.0)
+    b_storage = b.k.data_ptr()
+    assert kv.grow("b", b, 3 * BLOCK_SIZE) and kv.owned["b"] == (1, 3)  # the blocks after it were free
+    assert b.k.data_ptr() == b_storage and b.max_len == 3 * BLOCK_SIZE and b.length == 5
+    assert (b.k[:, :, :, :BLOCK_SIZE] == 2).all() and (b.k[:, :, :, BLOCK_SIZE:] == 0).all()
+    assert not b.filled[:, :, BLOCK_SIZE:].any()
+    before = b.k.clone(), b.v.clone(), b.filled.clone()
+    assert kv.grow("a", a, 2 * BLOCK_SIZE) and kv.owned["a"] == (4, 2)  # b follows it: a moves, with its rows
+    assert (a.k[:, :, :, :BLOCK_SIZE] == 1).all() and (a.v[:, :, :, :BLOCK_SIZE] == -1).all()
+    assert (a.k[:, :, :, BLOCK_SIZE:] == 0).all() and a.filled[:, :, :BLOCK_SIZE:2].all()
+    assert a.pool_slot == 4 * BLOCK_SIZE and kv.free_runs == [(0, 1), (6, 2)]
+    assert b.k.data_ptr() == b_storage and all(torch.equal(x, y) for x, y in zip(before, (b.k, b.v, b.filled)))
+    assert not kv.grow("a", a, 5 * BLOCK_SIZE)  # no run of 5 free blocks: it stays as it was
+    assert kv.owned["a"] == (4, 2) and (a.k[:, :, :, :BLOCK_SIZE] == 1).all()
+    saved = kv.park("b", b)
+    assert "b" not in kv.owned and kv.free_blocks == 6
+    assert kv.grow("a", a, 5 * BLOCK_SIZE) and kv.owned["a"] == (0, 5)  # with the free blocks either side
+    assert (a.k[:, :, :, :BLOCK_SIZE] == 1).all() and (a.k[:, :, :, BLOCK_SIZE:] == 0).all()
+    assert a.filled[:, :, :BLOCK_SIZE:2].all() and not a.filled[:, :, BLOCK_SIZE:].any()
+    assert kv.free_runs == [(5, 3)] and not kv.restore("b", b, saved, 4 * BLOCK_SIZE)  # 3 free blocks, not 4
+    kv.free("a")
+    assert kv.restore("b", b, saved, 4 * BLOCK_SIZE) and kv.owned["b"] == (0, 4)
+    n = 3 * BLOCK_SIZE
+    assert all(torch.equal(x, y) for x, y in zip((b.k[:, :, :, :n], b.v[:, :, :, :n], b.filled[:, :, :n]), before))
+    assert (b.k[:, :, :, 3 * BLOCK_SIZE:] == 0).all() and b.length == 5
+    kv.free("b")
+    assert kv.free_runs == [(0, 8)]
+
+
+@pytest.mark.parametrize("mode", [*MODES, *EXIT_MODES])
+def test_requests_grow_and_park_in_a_small_pool_and_decode_as_alone(mode_llms, mode, monkeypatch):
+    """Five requests of 20-26 new tokens in a pool that holds about two of them whole: runs start with 2
+    new tokens and grow, the newest request is parked when one cannot grow and comes back before any
+    newcomer, and each greedy request (a seeded sampled one too where its draws do not depend on the
+    batch) gets exactly the tokens it gets alone, on the float and the quantized C++ path."""
+    monkeypatch.setattr(scheduler, "FIRST_ROOM", 2)
+    llm, full = mode_llms[mode], mode_llms["full"]
+    engine = Engine(llm.model, llm.engine.decoding, kv_cache_memory=7 * BLOCK_SIZE)
+    greedy = SamplingParams(ignore_eos=True, max_tokens=24)
+    seqs = [sequence(llm, PROMPTS[0], greedy), sequence(llm, PROMPTS[1], dataclasses.replace(greedy, max_tokens=20)),
+            sequence(llm, PROMPTS[2], dataclasses.replace(greedy, max_tokens=26)), sequence(llm, PROMPTS[3], greedy),
+            sequence(llm, PROMPTS[4], SamplingParams(max_tokens=22, temperature=0.8, seed=3, ignore_eos=True))]
+    for s in seqs:
+        engine.add_request(s)
+    parked = grown = 0
+    while engine.has_unfinished():
+        engine.step()
+        parked = max(parked, len(engine.scheduler.parked))
+        grown = max([grown] + [n for _, n in engine.kv.owned.values()])
+    assert parked >= 1 and grown >= 3  # requests were parked, and runs grew past their first block or two
+    assert all(s.finish_reason == "length" and len(s.output_ids) == s.params.max_tokens for s in seqs)
+    assert engine.kv.free_blocks == engine.kv.num_blocks
+    for s in seqs if mode == "full" or mode in EXIT_MODES else seqs[:4]:
+        assert (s.output_ids, s.text) == solo(llm, s)[:2], s.prompt
+    for s in seqs[:4] if mode in LOSSLESS else ():
+        assert s.output_ids == solo(full, s)[0], s.prompt
+
+
+def test_an_aborted_parked_request_frees_nothing_twice(mode_llms, monkeypatch):
+    """Aborting a parked request ends it (its rows were out of the pool already); the others run on."""
+    monkeypatch.setattr(scheduler, "FIRST_ROOM", 2)
+    llm = mode_llms["full"]
+    engine = Engine(llm.model, llm.engine.decoding, kv_cache_memory=5 * BLOCK_SIZE)
+    params = SamplingParams(ignore_eos=True, max_tokens=40)
+    seqs = [sequence(llm, p, params) for p in (PROMPTS[0], PROMPTS[3], PROMPTS[2])]
+    for s in seqs:
+        engine.add_request(s)
+    while not engine.scheduler.parked:
+        engine.step()
+    victim = engine.scheduler.parked[0].seq
+    engine.abort(victim)
+    while engine.has_unfinished():
+        engine.step()
+    assert victim.finish_reason == "abort" and engine.kv.free_blocks == engine.kv.num_blocks
+    for s in seqs:
+        if s is not victim:
+            assert s.finish_reason == "length" and s.output_ids == solo(llm, s)[0]
+
