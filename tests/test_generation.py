@@ -400,7 +400,7 @@ def test_stream_runs_on_the_engine_thread_and_stops_when_closed(llm, monkeypatch
     stream.close()
     after_close = len(decoded)
     time.sleep(0.05)
-    assert threads == {llm.worker._thread.ident} != {threading.get_ident()}
+    assert threads == {llm.worker.thread.ident} != {threading.get_ident()}
     assert after_close == len(decoded) < 39  # nothing decoded after the close
 
 

@@ -155,14 +155,80 @@ def test_an_llm_dropped_or_closed_stops_its_thread_and_frees_its_engine(release)
 
     llm = LLM(real_model_dir("stories260K"), dtype="float32")
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].text
-    thread, engine = llm.worker._thread, weakref.ref(llm.engine)
+    thread, engine = llm.worker.thread, weakref.ref(llm.engine)
     if release == "closed":
         llm.close()
         assert not thread.is_alive()
         assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].text  # a new thread starts
-        thread = llm.worker._thread
+        thread = llm.worker.thread
     del llm
     gc.collect()
     thread.join(10)
     assert not thread.is_alive()
     assert engine() is None
+
+
+def test_a_stream_closed_on_the_engine_thread_does_not_wait_for_itself(llm, answers):
+    """A partly read stream that the garbage collector finalizes on the engine thread (a reference cycle
+    collected mid-step) ran its `finally` there and waited for an abort that only that thread could do:
+    every request hung. Here a sink on the engine thread closes it."""
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    next(stream)
+    closer = Sequence(PROMPTS[1], llm.encode(PROMPTS[1]), PARAMS, llm.tokenizer, llm.eos_ids)
+    handle = llm.worker.submit(closer, sink=lambda delta: stream.close())
+    assert handle.result(timeout=60).text == answers[1]
+    assert not llm.worker.busy  # the closed stream's request ended too (aborted)
+    assert [o.text for o in llm.generate(PROMPTS[:2], PARAMS)] == answers[:2]
+
+
+def test_a_request_submitted_to_a_stopped_engine_thread_ends_as_aborted():
+    """`generate` takes the LLM's engine thread, then submits to it: a `close()` in between stopped the
+    thread, and the request waited forever on a queue nobody reads."""
+    llm = LLM(real_model_dir("stories260K"), dtype="float32")
+    worker = llm.worker
+    llm.close()
+    seq = Sequence(PROMPTS[0], llm.encode(PROMPTS[0]), PARAMS, llm.tokenizer, llm.eos_ids)
+    handle = worker.submit(seq)
+    assert handle.result(timeout=10).finish_reason == "abort"
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].text  # a new thread starts
+
+
+def test_two_threads_first_requests_calibrate_once_and_both_finish(tmp_path, monkeypatch):
+    """Early exit without a bank calibrates on first use: two threads' first `generate`s both calibrated,
+    and the second bank's new engine dropped the first thread's requests in flight (finish "error")."""
+    import specee.calibration as calibration
+    from specee import EarlyExitConfig
+
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path))
+    prompts, runs, real = calibration.load_calibration_prompts(limit=4), [], calibration.calibrate
+    monkeypatch.setattr(calibration, "load_calibration_prompts", lambda: prompts)
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: runs.append(1) or real(*a, **k))
+    llm = LLM(real_model_dir("stories260K"), dtype="float32", progress=False,
+              early_exit=EarlyExitConfig(draft="ngram", k=2))
+    outs = {}
+
+    def first_use(i: int) -> None:
+        outs[i] = llm.generate(PROMPTS[2 * i : 2 * i + 2], SamplingParams(max_tokens=60, ignore_eos=True))
+
+    threads = [threading.Thread(target=first_use, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert runs == [1] and sorted(outs) == [0, 1]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 60 for i in outs for o in outs[i])
+
+
+def test_the_engine_is_not_switched_under_requests_in_flight(llm, answers):
+    """Changing scheduling (or the decoding) made a new engine, and the engine thread dropped the old one's
+    requests: now refused while one is in flight, leaving everything as it was."""
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    next(stream)
+    engine, scheduling = llm.engine, dict(llm.scheduling)
+    with pytest.raises(RuntimeError, match="requests are in flight"):
+        llm.set_scheduling(max_num_seqs=2)
+    assert llm.engine is engine and llm.scheduling == scheduling
+    assert len(stream.__next__()) and llm.worker.busy
+    stream.close()
+    llm.set_scheduling(max_num_seqs=scheduling["max_num_seqs"])
+    assert [o.text for o in llm.generate(PROMPTS[:2], PARAMS)] == answers[:2]

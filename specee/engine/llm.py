@@ -101,6 +101,7 @@ class LLM:
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
         self._streams = threading.local()  # .output: this thread's last stream's RequestOutput (last_output)
+        self._calibrating = threading.Lock()  # two threads' first requests calibrate once
         self.kv_cache_memory = kv_cache_memory
         self.scheduling = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                            "prefill_chunk": prefill_chunk}
@@ -119,6 +120,7 @@ class LLM:
     @early_exit.setter
     def early_exit(self, decoder: EarlyExitDecoding | None) -> None:
         """Switch early exit (benchmarks and tests switch modes on one loaded model): a new engine."""
+        self._require_idle()
         self._early_exit = decoder
         self._new_engine()
 
@@ -128,12 +130,14 @@ class LLM:
 
     @speculative.setter
     def speculative(self, decoding) -> None:
+        self._require_idle()
         self._speculative = decoding
         self._new_engine()
 
     def set_scheduling(self, **settings: int) -> None:
         """Change the engine's scheduling (max_num_seqs, max_num_batched_tokens, prefill_chunk) between
         requests: a new engine."""
+        self._require_idle()
         if unknown := set(settings) - set(self.scheduling):
             raise TypeError(f"unknown scheduling setting(s) {sorted(unknown)}; choose {sorted(self.scheduling)}")
         merged = {**self.scheduling, **settings}
@@ -147,6 +151,7 @@ class LLM:
         out [layers, 1, kv heads, slots, D], so a first request in a large pool faults in one 2 MB page
         per layer, kv head and K/V (180 on SmolLM2, 360 MB: 0.5 s in a fresh process on the Intel Xeon
         VM), in a pool this size the few pages its rows take."""
+        self._require_idle()
         self.kv_cache_memory = tokens + self.engine.decoding.extra_rows
         self._new_engine()
 
@@ -157,19 +162,27 @@ class LLM:
         Intel Xeon VM), and the warm-up pays it instead, before the server says it is ready."""
         self.generate([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
 
+    def _require_idle(self) -> None:
+        """Refuse to change the engine while requests are in flight (the engine thread would drop them
+        with the old engine), before anything changes."""
+        if getattr(self, "_worker", None) is not None and self._worker.busy:
+            raise RuntimeError("requests are in flight on this LLM: change its decoding, scheduling or KV cache "
+                               "between requests")
+
     def _new_engine(self) -> None:
         """The engine for the configured decoding: early exit, speculative decoding or full depth (on the
         last engine's KV pool where it fits: its pages are in already)."""
         last = getattr(self, "engine", None)
         self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory,
                              kv=last.kv if last is not None else None, **self.scheduling)
-        if getattr(self, "_worker", None) is not None:  # modes switch between requests, none in flight
+        if getattr(self, "_worker", None) is not None:
             self._worker.engine = self.engine
 
     # ---- speculative decoding (specee.speculative) -----------------------------------------------
     def enable_speculative(self, config: dict | None) -> None:
         """Draft-and-verify decoding with a vLLM-style speculative_config (see speculative/config.py); None = off.
         With early exit on, its exits move into the verification passes."""
+        self._require_idle()
         if config is not None and self.early_exit is not None:
             self.enable_early_exit(self.early_exit.config, config)
             return
@@ -188,6 +201,7 @@ class LLM:
 
     def enable_early_exit(self, config: EarlyExitConfig, speculative_config: dict | None = None) -> None:
         """SpecEE early exit; with a speculative_config, inside draft-and-verify passes."""
+        self._require_idle()
         if speculative_config is not None:
             config = merged_config(config, speculative_config)
         drafter = self.make_drafter(config.draft, config.k)
@@ -223,8 +237,10 @@ class LLM:
         """Calibrate the predictor bank that early exit waits for, once (cached for later runs, keyed
         by `bank_cache_path`); returns its path, or None when nothing waits. The CLI calls it with its
         progress bars before the first request; `generate` and `stream` call it on first use."""
-        if self._uncalibrated is None:
-            return None
+        with self._calibrating:
+            return self._calibrate() if self._uncalibrated is not None else None
+
+    def _calibrate(self) -> Path:
         config, drafter = self._uncalibrated
         path = self.bank_cache_path(drafter.fingerprint, config.k)
         # imported here, not at module level: only this path calibrates (the engine never needs it otherwise)
@@ -304,15 +320,18 @@ class LLM:
         if len(seqs) != 1:
             raise TypeError("prompt: stream takes one prompt (a str or a list of token ids); generate takes several")
         (seq,) = seqs
-        handle = self.worker.submit(seq)
+        worker = self.worker
+        handle = worker.submit(seq)
         try:
             for delta in handle:  # the last delta carries the last text too
                 if delta.text:
                     yield delta.text
         finally:
             if not handle.done.is_set():  # a closed stream stops decoding, before close() returns
-                self.worker.abort(handle.request_id)
-                handle.done.wait()
+                worker.abort(handle.request_id)
+                # unless the garbage collector closes it on the engine thread itself, which would wait for itself
+                if threading.current_thread() is not worker.thread:
+                    handle.done.wait()
             self._streams.output = seq.output()
         if handle.exception is not None:
             raise handle.exception

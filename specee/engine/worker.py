@@ -101,13 +101,16 @@ class EngineThread:
         self._waiting: deque[RequestHandle] = deque()  # submitted, not yet given to the engine
         self._running: dict[str, RequestHandle] = {}  # given to the engine, not yet ended
         self._stopping = False
+        self._lock = threading.Lock()  # orders submits against the thread's end (`_stopped`)
+        self._stopped = False
+        self._handles: list[RequestHandle] = []  # submitted ones, the ended pruned at each submit (`busy`)
         # what this thread decodes with (torch's count is per OS thread): the LLM's ThreadPolicy, asked
         # before each step, where an automatic one measures again once due (a machine that turns busy
         # while a server runs, or during a long generate); None: torch's default
         self.threads: ThreadPolicy | None = None
         self._applied_threads: int | None = None
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
 
     # ---- any thread ---------------------------------------------------------------------
     def submit(self, seq: Sequence, sink: Callable[[Delta], None] | None = None, tag: object = None) -> RequestHandle:
@@ -119,8 +122,21 @@ class EngineThread:
         batch submitted one by one could start its first step with only the first request)."""
         release_openmp_pool()  # this thread's idle OpenMP threads would slow the engine thread's
         handles = [RequestHandle(seq, sink, tag) for seq, tag in zip(seqs, tags or [None] * len(seqs))]
-        self._commands.put(("submit", handles))
+        with self._lock:
+            if not self._stopped:
+                self._handles = [h for h in self._handles if not h.done.is_set()] + handles
+                self._commands.put(("submit", handles))
+                return handles
+        for handle in handles:  # the thread has ended (LLM.close()): they end as the ones in flight did
+            handle.seq.abort()
+            handle._emit()
         return handles
+
+    @property
+    def busy(self) -> bool:
+        """Whether a submitted request has not ended yet."""
+        with self._lock:
+            return any(not h.done.is_set() for h in self._handles)
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step; it ends with finish_reason "abort" (unless it ended first)."""
@@ -140,8 +156,8 @@ class EngineThread:
     def stop(self, timeout: float | None = None) -> None:
         """End the thread after aborting what is in flight (from the thread itself: without waiting)."""
         self._commands.put(("stop", None))
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
 
     # ---- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
@@ -155,6 +171,9 @@ class EngineThread:
                 self._step()
             for rid in [rid for rid, h in self._running.items() if h._emit()]:
                 del self._running[rid]
+        with self._lock:  # a submit from now on ends at once; those queued before end here
+            self._stopped = True
+        self._take_commands(block=False)
         for handle in [*self._running.values(), *self._waiting]:
             self._abort(handle)
 
