@@ -349,3 +349,17 @@ def test_serve_max_num_seqs_reaches_the_engine_and_admission():
     assert llm.scheduling["max_num_seqs"] == 3 and llm.engine.scheduler.max_num_seqs == 3
     assert create_app(llm).state.specee.max_num_seqs == 3
     llm.close()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "--model", "", "--prompt", "hi"], "--model is empty"),  # Path("") loaded the cwd's one .gguf
+    (["serve", "--model", "/nonexistent/model", "--replicas", "2"], "--replicas 2 needs --ray"),  # was ignored
+    (["serve", "--model", "/nonexistent/model", "--api-key", ""], "--api-key (or $SPECEE_API_KEY) is empty"),
+    (["serve", "--model", "/nonexistent/model", "--served-model-name", " "], "--served-model-name is empty"),
+])
+def test_empty_or_idle_flags_are_refused_before_loading(capsys, tmp_path, monkeypatch, argv, says):
+    """An empty --api-key let a bare `Authorization: Bearer` header in; the others did nothing or the wrong thing."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.gguf").write_bytes(b"")
+    code, out, err = run(capsys, *argv)
+    assert_clean_error(code, err, says)

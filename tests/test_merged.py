@@ -222,7 +222,10 @@ def test_one_host_read_per_checked_layer_in_a_verification_pass(tiny):
     ({"method": "ngram", "prompt_lookup_max": 2}, "prompt_lookup_max 3"),
     ({"method": "draft_model", "model": "some/draft"}, "its model must be 'ngram'"),
 ])
-def test_speculation_the_exit_drafter_cannot_serve_is_refused(tiny, spec, message):
+def test_speculation_the_exit_drafter_cannot_serve_is_refused(tiny, spec, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # ".": a directory with a head's files, which method eagle's model must hold
+    for name in ("head.safetensors", "manifest.json"):
+        (tmp_path / name).touch()
     with pytest.raises(ValueError, match=message):
         tiny.enable_early_exit(EarlyExitConfig(draft="ngram"), spec)
 

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from conftest import real_model_dir
 import torch
 
 from specee import LLM, SamplingParams, cli
@@ -361,3 +362,13 @@ def test_the_engine_thread_frees_its_openmp_pool_when_idle():
         llm.worker.stop()
         return left
     assert _in_fresh_thread(engine_threads_left) == 1  # the engine thread alone, no helper
+
+
+def test_more_threads_than_cpus_is_noted(capsys):
+    """64 threads on 2 cores decoded SmolLM2 20x slower than 1, and nothing said why."""
+    cpus = len(os.sched_getaffinity(0))
+    llm = LLM(real_model_dir("stories260K"), dtype="float32", threads=cpus + 1)
+    assert f"threads={cpus + 1} (--threads) is more than the {cpus} CPUs" in capsys.readouterr().err
+    assert llm.threads.choice.threads == cpus + 1  # noted, not refused: the user may know better
+    LLM(real_model_dir("stories260K"), dtype="float32", threads=cpus)
+    assert "more than" not in capsys.readouterr().err

@@ -110,6 +110,38 @@ def test_a_prompt_longer_than_the_context_fails_before_the_model_loads(capsys, n
 
 
 @needs_models
+@pytest.mark.parametrize("argv, needles", [
+    (["generate", "--prompt", "hi", "--draft", "ngram", "--bank", "{tmp}"],
+     ["argument --bank: ", "not a predictor bank (manifest.json is missing)"]),
+    (["bench", "speed", "--bank", "{tmp}"], ["argument --bank: ", "not a predictor bank (manifest.json is missing)"]),
+    (["generate", "--model", "{stories}", "--prompt", "hi", "--speculative-config", '{"method": "eagle", "model": "{tmp}"}'],
+     ["--speculative-config: model {tmp}: not an EAGLE head directory"]),
+    (["train-draft", "--model", "{stories}", "-o", "{tmp}/head", "--resume"], ["--resume: nothing to resume"]),
+    (["train-draft", "--model", "{stories}", "-o", "{tmp}/head", "--feature-layers", "99,1,2"],
+     ["--feature-layers: ", "in [0, 5), got [99, 1, 2]"]),
+    (["calibrate", "--model", "{stories}", "--draft", "{stories}", "-o", "{tmp}/bank", "--draft-vocab", "999999"],
+     ["--draft-vocab 999999 exceeds the draft's vocabulary (512 tokens)"]),
+    (["calibrate", "--model", "{stories}", "--draft", "ngram", "-o", "{tmp}/bank", "--max-new-tokens", "100000"],
+     ["--max-new-tokens 100000 leaves no room", "context of 512 tokens"]),
+    (["distill", "--model", "{stories}", "-o", "{tmp}/d.json", "--max-new-tokens", "100000"],
+     ["--max-new-tokens 100000 leaves no room", "context of 512 tokens"]),
+    (["bench", "speed", "--model", "{stories}", "--draft", "ngram", "--hf-assistant", "/nonexistent"],
+     ["--hf-assistant: ", "not found: /nonexistent"]),
+    (["bench", "speed", "--model", "{stories}", "--draft", "ngram", "--llama-cpp-lookup", "3"],
+     ["--llama-cpp-lookup needs a .gguf target"]),
+], ids=["bank", "bench-bank", "eagle-head", "resume", "feature-layers", "draft-vocab", "calibrate-max-new-tokens",
+        "distill-max-new-tokens", "hf-assistant", "llama-cpp-lookup"])
+def test_values_the_model_files_refuse_fail_before_the_model_loads(capsys, no_model_loads, tmp_path, argv, needles):
+    """Each was found only after the model (and, for bench, its calibration) had loaded: 10-80 s later,
+    some without the flag's name."""
+    def fill(text: str) -> str:
+        return text.replace("{tmp}", str(tmp_path)).replace("{stories}", str(STORIES))
+
+    code, _, err = run_cli(capsys, *map(fill, argv))
+    assert_one_line_error(code, err, *map(fill, needles))
+
+
+@needs_models
 def test_quantization_that_does_not_fit_names_the_flag(capsys):
     code, _, err = run_cli(capsys, "generate", "--model", str(STORIES), "--no-chat", "--prompt", "hi",
                            "--quantization", "int4")

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, add_threads_arg, device_arg, draft_tokens, existing_path,
-                        non_negative_float, non_negative_int, positive_float, positive_int, positive_int_list,
-                        quantization_mode, speculative_k)
+from ..cli.args import (DTYPE_CHOICES, add_quantization_arg, add_threads_arg, bank_dir, device_arg, draft_tokens,
+                        existing_path, non_negative_float, non_negative_int, positive_float, positive_int,
+                        positive_int_list, quantization_mode, speculative_k)
 from ..cli.outputs import output_dir
 from .common import DEFAULT_DRAFT, DEFAULT_TARGET, BenchError, find_shared, parse_list
 from .plots import draw_figures
@@ -33,7 +33,7 @@ def add_common_args(p: argparse.ArgumentParser, *, bank: bool = True, ee_options
                    help="drafter: a draft model (directory or .gguf) or 'ngram' (default with the default --model: "
                         "<shared>/models/ref-draft-4L; required with --model)")
     if bank:
-        g.add_argument("--bank", metavar="DIR", type=existing_path, default=None,
+        g.add_argument("--bank", metavar="DIR", type=bank_dir, default=None,
                        help="predictor bank directory (default: calibrate once and cache under ~/.cache/specee, "
                             "or $SPECEE_CACHE)")
     g.add_argument("--k", type=speculative_k, default=4, help="speculative tokens per step (default: 4)")
@@ -171,6 +171,17 @@ def cmd_speed(args: argparse.Namespace) -> int:
 
     policies = checked_policies(args)
     model, draft = resolve_models(args)
+    if args.llama_cpp or args.llama_cpp_lookup:
+        from .llama_cpp import check_target
+
+        check_target(model, "--llama-cpp" if args.llama_cpp else "--llama-cpp-lookup")
+    if args.hf_assistant:  # a wrong one failed after the target loaded and calibrated, naming no flag
+        from ..model.resolve import resolve_model
+
+        try:
+            args.hf_assistant = str(resolve_model(args.hf_assistant, what="assistant model"))
+        except (OSError, ValueError) as e:
+            raise BenchError(f"--hf-assistant: {e}") from None
     prompts = prompts_from(args)
     llm = load_target(args, model)
     report = run_speed(llm, prompts, draft=draft, bank=args.bank, k=args.k, max_new_tokens=args.max_new_tokens,

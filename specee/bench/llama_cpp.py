@@ -30,10 +30,16 @@ from .common import BenchError
 from .timing import Run
 
 
+def check_target(gguf: Path, flag: str) -> None:
+    """Refuse a target llama.cpp cannot run, naming the flag that asked for it (`specee bench speed` checks
+    before the target loads)."""
+    if Path(gguf).suffix.lower() != ".gguf":
+        raise BenchError(f"{flag} needs a .gguf target, got {gguf}")
+
+
 class LlamaCppPeer:
     def __init__(self, gguf: Path, threads: int, context: int, lookup: int = 0):
-        if Path(gguf).suffix.lower() != ".gguf":
-            raise BenchError(f"--llama-cpp needs a .gguf target, got {gguf}")
+        check_target(gguf, "--llama-cpp-lookup" if lookup else "--llama-cpp")
         try:
             import llama_cpp  # noqa: F401 -- only whether it is there; it runs in the worker
         except ImportError:

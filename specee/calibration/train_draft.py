@@ -302,10 +302,16 @@ def _optimizer(head: EagleHead, recipe: Recipe) -> torch.optim.AdamW:
                              weight_decay=recipe.weight_decay)
 
 
-def _read_state(ckpt: Path, fingerprint: str) -> dict:
-    path = ckpt / "state.json"
-    if not path.is_file() or not (ckpt / "state.safetensors").is_file() or not (ckpt / "record.safetensors").is_file():
+def check_resumable(ckpt: Path) -> None:
+    """Refuse a checkpoint directory without a whole checkpoint's files (`resume` checks this first; the
+    CLI's --resume before the target loads)."""
+    if not all((ckpt / name).is_file() for name in ("state.json", "state.safetensors", "record.safetensors")):
         raise FileNotFoundError(f"nothing to resume: {ckpt} holds no complete training checkpoint")
+
+
+def _read_state(ckpt: Path, fingerprint: str) -> dict:
+    check_resumable(ckpt)
+    path = ckpt / "state.json"
     try:
         state = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -42,6 +42,8 @@ def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
     from ..model.resolve import resolve_model
 
     if model is not None:
+        if not model.strip():
+            raise CLIError("--model is empty: pass a checkpoint directory, a .gguf file or a hub id")
         return resolve_model(model, revision)
     candidates = default_model_candidates()
     for path in candidates:
@@ -161,9 +163,20 @@ def probability(value: str) -> float:
 
 
 def existing_path(value: str) -> str:
-    """A file or directory that must exist (--bank, --data): checked before any model loads."""
+    """A file or directory that must exist (--data, --bank): checked before any model loads."""
     if not Path(value).expanduser().exists():
         raise argparse.ArgumentTypeError(f"no such file or directory: {value!r}")
+    return value
+
+
+def bank_dir(value: str) -> str:
+    """--bank: a directory holding a bank's files (a wrong one failed only after the model had loaded)."""
+    from ..exit.bank import PredictorBank
+
+    try:
+        PredictorBank.check_files(Path(existing_path(value)).expanduser())
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 
@@ -257,7 +270,7 @@ def add_early_exit_args(parser: argparse.ArgumentParser) -> None:
                         "(directory or .gguf) sharing the target's tokenizer, or 'ngram' (training-free prompt "
                         "lookup). Default: none, full depth (early exit measured slower than full depth on "
                         "every model so far, see BENCHMARKS.md)")
-    g.add_argument("--bank", metavar="DIR", type=existing_path, default=None,
+    g.add_argument("--bank", metavar="DIR", type=bank_dir, default=None,
                    help="predictor bank from `specee calibrate` (default: calibrate once and cache it under "
                         "~/.cache/specee, or $SPECEE_CACHE)")
     g.add_argument("--no-exit", action="store_true", help="run every token at full depth, even with --draft")

@@ -85,6 +85,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise CLIError(f"specee serve needs the server extra ({e.name} is missing): pip install 'specee[server]'") \
             from None
+    if args.replicas != 1 and not args.ray:
+        raise CLIError(f"--replicas {args.replicas} needs --ray (without it one process serves one engine)")
+    if args.api_key is not None and not args.api_key.strip():
+        raise CLIError(f"--api-key (or ${API_KEY_ENV}) is empty: any client sending a bare "
+                       "'Authorization: Bearer' header would pass; give a key, or leave it unset for none")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise CLIError("--served-model-name is empty: clients name the model they ask for")
     model_dir = resolve_model_dir(args.model, args.revision)  # a wrong path fails before the server starts
     # (--max-num-seqs reaches the engine with the LLM's other scheduling settings: cli/args.py's scheduling)
     app_options = dict(model_name=args.served_model_name or served_name(model_dir), api_key=args.api_key,

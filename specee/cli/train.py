@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from .args import (CLIError, MAX_K, add_model_args, default_draft, existing_path, load_llm, non_negative_int,
                    positive_float, positive_int, resolve_model_dir, speculative_k)
@@ -47,6 +48,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..cache_dir import default_cache_dir
     from ..engine.loading import check_draft_tokenizers
     from ..exit.bank import PredictorBank
+    from ..model.llama import model_config
+    from ..model.resolve import resolve_model
     from ..tokenizer import Tokenizer
 
     if args.output is None:
@@ -65,6 +68,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise CLIError("calibrate needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
     if draft != "ngram":
         check_draft_tokenizers(Tokenizer(model_dir), model_dir, [str(draft)])
+        if args.draft_vocab:  # past the draft's vocabulary: found after both models had loaded
+            vocab = model_config(resolve_model(str(draft), what="draft model")).vocab_size
+            if args.draft_vocab > vocab:
+                raise CLIError(f"--draft-vocab {args.draft_vocab} exceeds the draft's vocabulary ({vocab} tokens)")
+    check_room(model_dir, args.max_new_tokens)
     prompts = load_calibration_prompts(args.data, limit=args.prompts)
     args.no_exit = True
     llm = load_llm(args)
@@ -80,6 +88,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(format_summary(bank))
         print(f"bank written to {path}", file=sys.stderr)
     return 0
+
+
+def check_room(model_dir: Path, max_new_tokens: int) -> None:
+    """--max-new-tokens against the model's context, read from its config: before the weights load."""
+    from ..model.llama import model_config
+
+    context = model_config(model_dir).context_limit
+    if max_new_tokens >= context:
+        raise CLIError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of "
+                       f"{context} tokens")
 
 
 # ---- specee train-draft --------------------------------------------------------------------
@@ -114,11 +132,24 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from ..calibration import train_draft
+    from ..calibration.train_draft import CHECKPOINT_DIR, check_resumable, train_draft
+    from ..drafters.eagle_head import EagleHeadConfig
+    from ..model.llama import model_config
 
     if args.dtype not in ("auto", "float32"):
         raise CLIError("train-draft trains in float32; leave --dtype out")
     args.dtype = "float32"
+    if args.resume:  # --resume and --feature-layers: both were found after the target had loaded
+        try:
+            check_resumable(args.output / CHECKPOINT_DIR)
+        except FileNotFoundError as e:
+            raise CLIError(f"--resume: {e}") from None
+    if args.feature_layers is not None:
+        cfg = model_config(resolve_model_dir(args.model, args.revision))
+        try:
+            EagleHeadConfig.for_target(cfg, args.feature_layers)
+        except ValueError as e:
+            raise CLIError(f"--feature-layers: {e}") from None
     llm = load_llm(args)
     m = train_draft(llm, args.output, minutes=args.minutes, feature_layers=args.feature_layers,
                     shortlist_size=args.shortlist, resume=args.resume, data=args.data)
@@ -155,6 +186,7 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
 def cmd_distill(args: argparse.Namespace) -> int:
     from ..calibration.self_distill import distill
 
+    check_room(resolve_model_dir(args.model, args.revision), args.max_new_tokens)
     llm = load_llm(args)
     t = time.perf_counter()
     n, left_out = distill(llm, args.output, args.data, args.max_new_tokens, args.batch_size, args.minutes)

@@ -223,10 +223,8 @@ class EagleHead:
         from safetensors.torch import load_file
 
         head_dir = Path(head_dir)
+        check_head_dir(head_dir)
         weights, manifest = head_dir / WEIGHTS_FILE, head_dir / MANIFEST_FILE
-        if not weights.is_file() or not manifest.is_file():
-            raise ValueError(f"{head_dir}: not an EAGLE head directory ({WEIGHTS_FILE} and {MANIFEST_FILE} needed; "
-                             "make one with `specee train-draft`)")
         try:
             m = json.loads(manifest.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -249,6 +247,14 @@ class EagleHead:
             raise ValueError(f"{head_dir}: corrupt EAGLE head ({' '.join(str(e).split())})") from None
         params = {n: t.to(device=target.device, dtype=target.dtype) for n, t in tensors.items()}
         return cls(target, config, shortlist, params, target_fingerprint, quantization)
+
+
+def check_head_dir(head_dir: Path) -> None:
+    """Refuse a directory without a head's files (`EagleHead.load` checks this first; speculative_config
+    before the target loads)."""
+    if not (head_dir / WEIGHTS_FILE).is_file() or not (head_dir / MANIFEST_FILE).is_file():
+        raise ValueError(f"{head_dir}: not an EAGLE head directory ({WEIGHTS_FILE} and {MANIFEST_FILE} needed; "
+                         "make one with `specee train-draft`)")
 
 
 def _sha256(path: Path) -> str:

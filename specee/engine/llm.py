@@ -32,7 +32,7 @@ from .loading import (check_device, check_draft_tokenizers, check_early_exit, co
 from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, check_scheduling
 from .sequence import RequestOutput, Sequence, token_ids
 from .teacher import TeacherForcedStep
-from .threads import ThreadPolicy, check_threads, prefetch_setting
+from .threads import ThreadPolicy, check_threads, oversubscribed, prefetch_setting
 from .worker import EngineThread
 
 _WORKER_LOCK = threading.Lock()
@@ -98,6 +98,8 @@ class LLM:
                              f"only {self.model.cfg.vocab_size} embedding rows")
         self.eos_ids = load_eos_ids(self.model_dir, self.model, self.tokenizer)
         self.threads = ThreadPolicy(self.model, threads)  # .choice: the count (and timings if measured)
+        if progress and (note := oversubscribed(threads)):
+            print(f"specee: note: {note}", file=sys.stderr)
         self.fingerprint = fingerprint_weights(self.model_dir)
         self.progress = progress
         self._streams = threading.local()  # .output: this thread's last stream's RequestOutput (last_output)

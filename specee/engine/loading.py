@@ -33,9 +33,18 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+# the tokens that end generation wherever a GGUF's vocabulary has them (llama.cpp's list, llama-vocab.cpp):
+# Qwen2.5's files name only <|im_end|> as eos, and raw text ran on past its <|endoftext|>
+GGUF_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+                   "_<EOT>")
+
+
 def load_eos_ids(model_path: Path, model: Transformer, tokenizer: Tokenizer) -> frozenset[int]:
-    """The config's eos ids (a GGUF's eos and eot), generation_config.json's, and the tokenizer's eos."""
+    """The config's eos ids (a GGUF's eos, eot and eom, and its end tokens as llama.cpp stops on them),
+    generation_config.json's, and the tokenizer's eos."""
     ids = set(model.cfg.eos_token_ids)
+    if not model_path.is_dir():
+        ids.update(i for i in map(tokenizer.token_id, GGUF_END_TOKENS) if i is not None)
     gen = model_path / "generation_config.json"
     if model_path.is_dir() and gen.exists():
         eos = json.loads(gen.read_text()).get("eos_token_id")

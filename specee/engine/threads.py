@@ -59,6 +59,19 @@ def check_threads(threads) -> int | None:
     raise ValueError(f"threads must be a positive integer (or None: the fastest measured at load), got {threads!r}")
 
 
+def oversubscribed(threads: int | None) -> str | None:
+    """A note where `threads` is more than the CPUs this process may run on: each step's parallel
+    regions then wait for threads that share a core (SmolLM2, 2 cores: 64 threads ran 20x slower)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    if threads is None or threads <= cpus:
+        return None
+    return (f"threads={threads} (--threads) is more than the {cpus} CPUs this process may use; decoding will be "
+            f"slower than with {cpus}")
+
+
 def candidates(most: int) -> list[int]:
     """1 (nothing to wait for), all but one (room for one busy process) and all."""
     return sorted({1, max(1, most - 1), most})

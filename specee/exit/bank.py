@@ -155,6 +155,16 @@ class PredictorBank:
                 raise FileExistsError(f"{path} exists and holds files that are not a predictor bank "
                                       f"({', '.join(sorted(foreign)[:5])}); choose an empty or new directory")
 
+    @staticmethod
+    def check_files(path: Path) -> None:
+        """Refuse a path that holds no bank's files (`load` checks this first; the CLI before any model loads)."""
+        if not path.is_dir():
+            raise FileNotFoundError(f"predictor bank not found: {path} is not a directory "
+                                    "(make one with `specee calibrate -o DIR`, or omit the bank to calibrate and cache one)")
+        for name in (MANIFEST_FILE, WEIGHTS_FILE):
+            if not (path / name).is_file():
+                raise BankFormatError(f"{path}: not a predictor bank ({name} is missing)")
+
     def save(self, path: str | Path) -> Path:
         """Write the bank directory atomically: a temp dir next to it, renamed into place. An
         existing bank at `path` is replaced; any other existing directory is refused."""
@@ -201,13 +211,8 @@ class PredictorBank:
         from safetensors.torch import load_file
 
         path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"predictor bank not found: {path} is not a directory "
-                                    "(make one with `specee calibrate -o DIR`, or omit the bank to calibrate and cache one)")
+        cls.check_files(path)
         manifest_path, weights_path = path / MANIFEST_FILE, path / WEIGHTS_FILE
-        for p in (manifest_path, weights_path):
-            if not p.is_file():
-                raise BankFormatError(f"{path}: not a predictor bank ({p.name} is missing)")
         try:
             m = json.loads(manifest_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

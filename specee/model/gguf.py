@@ -136,8 +136,13 @@ def config_from_gguf(gguf_file: GGUFFile, source: str | Path) -> ModelConfig:
     embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
         raise CheckpointError(f"{source}: GGUF file has no token_embd.weight")
-    eos_ids = tuple(dict.fromkeys(int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                                         "tokenizer.ggml.eom_token_id") if k in meta))
+    special = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
+               "tokenizer.ggml.bos_token_id")
+    for key in special:
+        if key in meta and gguf_file.vocab_size is not None and not 0 <= int(meta[key]) < gguf_file.vocab_size:
+            raise CheckpointError(f"{source}: {key} {meta[key]} is not a token id (the vocabulary has "
+                                  f"{gguf_file.vocab_size} tokens)")
+    eos_ids = tuple(dict.fromkeys(int(meta[k]) for k in special[:3] if k in meta))
     bos = meta.get("tokenizer.ggml.bos_token_id")
     types = Counter(t.tensor_type.name for t in gguf_file.tensors if len(t.shape) > 1)
     return ModelConfig(

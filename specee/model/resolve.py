@@ -64,6 +64,8 @@ def hub_snapshot(model_id: str, revision: str | None = None) -> Path:
 
 def resolve_model(model: str | Path, revision: str | None = None, what: str = "model") -> Path:
     """A local checkpoint directory or .gguf file for `model` (a path or a hub id)."""
+    if not str(model).strip():  # Path("") is the working directory, whose one .gguf file would load
+        raise ValueError(f"{what} is empty: pass a checkpoint directory, a .gguf file or a hub id")
     path = Path(model).expanduser()
     if not path.exists() and _HUB_ID.match(str(model)) and not str(model).startswith("."):
         return local_model(hub_snapshot(str(model), revision), what)

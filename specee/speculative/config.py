@@ -75,6 +75,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: method {method!r} needs 'model': {what}")
         elif method == "eagle" and not Path(model).expanduser().is_dir():
             raise ValueError(f"speculative_config: model directory not found: {model}")
+        elif method == "eagle":
+            from ..drafters.eagle_head import check_head_dir
+
+            try:
+                check_head_dir(Path(model).expanduser())
+            except ValueError as e:
+                raise ValueError(f"speculative_config: model {e}") from None
         elif not Path(model).expanduser().exists() and (Path(model).is_absolute() or str(model).startswith((".", "~"))):
             raise ValueError(f"speculative_config: draft model not found: {model}")  # else: maybe a hub id
         lookup = raw.get("prompt_lookup_max", 3)
