@@ -57,7 +57,8 @@ def test_a_run_grows_in_place_moves_with_its_own_rows_and_parks_exactly():
     assert b.k.data_ptr() == b_storage and all(torch.equal(x, y) for x, y in zip(before, (b.k, b.v, b.filled)))
     assert not kv.grow("a", a, 5 * BLOCK_SIZE)  # no run of 5 free blocks: it stays as it was
     assert kv.owned["a"] == (4, 2) and (a.k[:, :, :, :BLOCK_SIZE] == 1).all()
-    saved = kv.park("b", b)
+    saved = kv.park("b", b, b.length)  # 5 slots written: one block leaves the pool
+    assert saved[0].shape[3] == BLOCK_SIZE
     assert "b" not in kv.owned and kv.free_blocks == 6
     assert kv.grow("a", a, 5 * BLOCK_SIZE) and kv.owned["a"] == (0, 5)  # with the free blocks either side
     assert (a.k[:, :, :, :BLOCK_SIZE] == 1).all() and (a.k[:, :, :, BLOCK_SIZE:] == 0).all()
@@ -72,19 +73,36 @@ def test_a_run_grows_in_place_moves_with_its_own_rows_and_parks_exactly():
     assert kv.free_runs == [(0, 8)]
 
 
+def test_a_run_moves_onto_blocks_it_held_with_its_rows_intact():
+    """Its own run with the free block before it: the copy overlaps the rows it reads (blocks 1-2 to 0-1)."""
+    kv = pool(5)
+    kv.allocate("x", BLOCK_SIZE)
+    a = kv.allocate("a", 2 * BLOCK_SIZE)
+    kv.allocate("y", BLOCK_SIZE)
+    a.k[:, :, :, :] = torch.arange(2 * BLOCK_SIZE, dtype=torch.float32)[:, None]  # every slot its own value
+    a.filled[:, :, :BLOCK_SIZE + 3] = True
+    kv.free("x")
+    assert kv.grow("a", a, 3 * BLOCK_SIZE) and kv.owned["a"] == (0, 3) and a.pool_slot == 0
+    assert torch.equal(a.k[0, 0, 0, : 2 * BLOCK_SIZE, 0], torch.arange(2 * BLOCK_SIZE, dtype=torch.float32))
+    assert (a.k[:, :, :, 2 * BLOCK_SIZE:] == 0).all() and a.filled[0, 0].tolist() == [True] * (BLOCK_SIZE + 3) + [
+        False] * (2 * BLOCK_SIZE - 3)
+    assert kv.free_runs == [(4, 1)]
+
+
 @pytest.mark.parametrize("mode", [*MODES, *EXIT_MODES])
 def test_requests_grow_and_park_in_a_small_pool_and_decode_as_alone(mode_llms, mode, monkeypatch):
     """Five requests of 20-26 new tokens in a pool that holds about two of them whole: runs start with 2
     new tokens and grow, the newest request is parked when one cannot grow and comes back before any
     newcomer, and each greedy request (a seeded sampled one too where its draws do not depend on the
     batch) gets exactly the tokens it gets alone, on the float and the quantized C++ path."""
-    monkeypatch.setattr(scheduler, "FIRST_ROOM", 2)
     llm, full = mode_llms[mode], mode_llms["full"]
-    engine = Engine(llm.model, llm.engine.decoding, kv_cache_memory=7 * BLOCK_SIZE)
     greedy = SamplingParams(ignore_eos=True, max_tokens=24)
     seqs = [sequence(llm, PROMPTS[0], greedy), sequence(llm, PROMPTS[1], dataclasses.replace(greedy, max_tokens=20)),
             sequence(llm, PROMPTS[2], dataclasses.replace(greedy, max_tokens=26)), sequence(llm, PROMPTS[3], greedy),
             sequence(llm, PROMPTS[4], SamplingParams(max_tokens=22, temperature=0.8, seed=3, ignore_eos=True))]
+    alone = [solo(llm, s)[:2] for s in seqs]  # each run whole from the start (FIRST_ROOM holds all 26 tokens)
+    monkeypatch.setattr(scheduler, "FIRST_ROOM", 2)
+    engine = Engine(llm.model, llm.engine.decoding, kv_cache_memory=7 * BLOCK_SIZE)
     for s in seqs:
         engine.add_request(s)
     parked = grown = 0
@@ -95,14 +113,15 @@ def test_requests_grow_and_park_in_a_small_pool_and_decode_as_alone(mode_llms, m
     assert parked >= 1 and grown >= 3  # requests were parked, and runs grew past their first block or two
     assert all(s.finish_reason == "length" and len(s.output_ids) == s.params.max_tokens for s in seqs)
     assert engine.kv.free_blocks == engine.kv.num_blocks
-    for s in seqs if mode == "full" or mode in EXIT_MODES else seqs[:4]:
-        assert (s.output_ids, s.text) == solo(llm, s)[:2], s.prompt
-    for s in seqs[:4] if mode in LOSSLESS else ():
-        assert s.output_ids == solo(full, s)[0], s.prompt
+    for s, expected in list(zip(seqs, alone))[: 5 if mode == "full" or mode in EXIT_MODES else 4]:
+        assert (s.output_ids, s.text) == expected, s.prompt
+    for s, expected in zip(seqs[:4] if mode in LOSSLESS else (), alone):
+        assert s.output_ids == expected[0] == solo(full, s)[0], s.prompt
 
 
-def test_an_aborted_parked_request_frees_nothing_twice(mode_llms, monkeypatch):
-    """Aborting a parked request ends it (its rows were out of the pool already); the others run on."""
+def test_a_parked_request_aborted_ends_and_the_others_decode_as_alone(mode_llms, monkeypatch):
+    """Aborting a parked request ends it (its rows were out of the pool already, nothing to free); the
+    others run on to the tokens they get alone, and the pool ends empty."""
     monkeypatch.setattr(scheduler, "FIRST_ROOM", 2)
     llm = mode_llms["full"]
     engine = Engine(llm.model, llm.engine.decoding, kv_cache_memory=5 * BLOCK_SIZE)
@@ -116,7 +135,8 @@ def test_an_aborted_parked_request_frees_nothing_twice(mode_llms, monkeypatch):
     engine.abort(victim)
     while engine.has_unfinished():
         engine.step()
-    assert victim.finish_reason == "abort" and engine.kv.free_blocks == engine.kv.num_blocks
+    assert victim.finish_reason == "abort" and not engine.scheduler.parked and not engine.kv.owned
+    assert engine.kv.free_runs == [(0, engine.kv.num_blocks)]
     for s in seqs:
         if s is not victim:
             assert s.finish_reason == "length" and s.output_ids == solo(llm, s)[0]

@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-from conftest import real_model_dir
 import torch
+from conftest import real_model_dir
 
 from specee import LLM, SamplingParams, cli
 from specee.engine import threads

@@ -179,9 +179,12 @@ class KVCacheManager:
         self._rebind(cache, to, need)
         return True
 
-    def park(self, owner: str, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Move `owner`'s rows out of the pool (to host memory) and free its run; `restore` puts them back."""
-        saved = tuple(t.to("cpu", copy=True) for t in (cache.k, cache.v, cache.filled))
+    def park(self, owner: str, cache: KVCache, written: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Move `owner`'s first `written` slots (rounded up to blocks; later ones hold nothing it reads) out
+        of the pool, to host memory outside the pool's budget, and free its run; `restore` puts them back."""
+        slots = min(cache.max_len, self.blocks_for(max(written, 1)) * BLOCK_SIZE)
+        saved = tuple(t.to("cpu", copy=True) for t in (cache.k[:, :, :, :slots], cache.v[:, :, :, :slots],
+                                                           cache.filled[:, :, :slots]))
         self.free(owner)
         return saved
 
@@ -202,8 +205,7 @@ class KVCacheManager:
 
     def view(self, lo: int, hi: int) -> KVCache:
         """A one-row cache over the pool's slots [lo, hi) (a request's run; a graphed step's span)."""
-        return KVCache.over(self.k[:, :, :, lo:hi], self.v[:, :, :, lo:hi], self.filled[:, :, lo:hi],
-                            self.slot_ids, lo)
+        return KVCache.over(*self._slices(lo, hi), self.slot_ids, lo)
 
     def free(self, owner: str) -> None:
         """Return `owner`'s run to the pool, merged with free neighbours (a no-op if it has none)."""
@@ -247,5 +249,8 @@ class KVCacheManager:
         self.filled[:, :, lo:hi] = False
 
     def _rebind(self, cache: KVCache, first: int, blocks: int) -> None:
-        lo, hi = first * BLOCK_SIZE, (first + blocks) * BLOCK_SIZE
-        cache.rebind(self.k[:, :, :, lo:hi], self.v[:, :, :, lo:hi], self.filled[:, :, lo:hi], self.slot_ids, lo)
+        """Point `cache` at the run of `blocks` blocks from `first` (the one object its holders share)."""
+        cache.rebind(*self._slices(first * BLOCK_SIZE, (first + blocks) * BLOCK_SIZE), self.slot_ids, first * BLOCK_SIZE)
+
+    def _slices(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.k[:, :, :, lo:hi], self.v[:, :, :, lo:hi], self.filled[:, :, lo:hi]

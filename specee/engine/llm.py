@@ -33,7 +33,7 @@ from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAUL
 from .sequence import RequestOutput, Sequence, token_ids
 from .teacher import TeacherForcedStep
 from .threads import ThreadPolicy, check_threads, oversubscribed, prefetch_setting
-from .worker import EngineThread
+from .worker import IN_FLIGHT, EngineThread
 
 _WORKER_LOCK = threading.Lock()
 QUANTIZATIONS = (None, "int4", "int8", "auto")
@@ -168,8 +168,7 @@ class LLM:
         """Refuse to change the engine while requests are in flight (the engine thread would drop them
         with the old engine), before anything changes."""
         if getattr(self, "_worker", None) is not None and self._worker.busy:
-            raise RuntimeError("requests are in flight on this LLM: change its decoding, scheduling or KV cache "
-                               "between requests")
+            raise RuntimeError(IN_FLIGHT)
 
     def _new_engine(self) -> None:
         """The engine for the configured decoding: early exit, speculative decoding or full depth (on the
@@ -178,7 +177,7 @@ class LLM:
         self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory,
                              kv=last.kv if last is not None else None, **self.scheduling)
         if getattr(self, "_worker", None) is not None:
-            self._worker.engine = self.engine
+            self._worker.swap_engine(self.engine)  # refused, under the worker's lock, if a request came meanwhile
 
     # ---- speculative decoding (specee.speculative) -----------------------------------------------
     def enable_speculative(self, config: dict | None) -> None:
@@ -255,8 +254,8 @@ class LLM:
                          target_dir=self.model_dir, target_fingerprint=self.fingerprint, eos_ids=self.eos_ids,
                          progress=self.progress)
         bank.save(path)
-        self._uncalibrated = None
         self._use_bank(config, drafter, bank)
+        self._uncalibrated = None  # after: a refused engine change leaves early exit waiting for its bank
         return path
 
     # ---- requests -----------------------------------------------------------------------

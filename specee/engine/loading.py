@@ -33,8 +33,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
-# the tokens that end generation wherever a GGUF's vocabulary has them (llama.cpp's list, llama-vocab.cpp):
-# Qwen2.5's files name only <|im_end|> as eos, and raw text ran on past its <|endoftext|>
+# tokens that end generation wherever a GGUF's vocabulary has them (from llama.cpp's list in llama-vocab.cpp,
+# for the families specee loads): Qwen2.5's files name only <|im_end|> as eos, and raw text ran on past its
+# <|endoftext|>. A checkpoint directory's generation_config.json says its own.
 GGUF_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
                    "_<EOT>")
 

@@ -160,32 +160,35 @@ class Scheduler:
     def _make_room(self) -> None:
         """Grow every decoding request's run, oldest first, to hold its next step's rows; where one cannot
         grow, park the newest running request (perhaps itself) and try again."""
-        for r in sorted(self.running, key=lambda r: r.admitted):
+        for r in sorted(self.running, key=lambda x: x.admitted):
             while r.prefilled and r.parked is None and not self.kv.grow(r.seq.request_id, r.cache, self._size(r)):
-                newest = max(self.running, key=lambda r: r.admitted)
-                newest.parked = self.kv.park(newest.seq.request_id, newest.cache)
+                newest = max(self.running, key=lambda x: x.admitted)
+                written = max(newest.cache.length, newest.prefill_done)  # a prompt's parts so far, mid-prefill
+                newest.parked = self.kv.park(newest.seq.request_id, newest.cache, written)
                 self.running = [x for x in self.running if x is not newest]
-                self.parked = sorted(self.parked + [newest], key=lambda r: r.admitted)
+                self.parked = sorted(self.parked + [newest], key=lambda x: x.admitted)
 
     def _size(self, r: Running) -> int:
         """The slots a decoding request's run is to hold before its next step: room for the step's rows,
         and where the run must grow for them, room for as many new tokens again (runs double: moves are rare)."""
-        full = self.slots(r.seq, r.seq.params.max_tokens)  # its whole reservation: every decoding stays within it
-        # a step writes from its cache length on (lossless early exit: one past it, to verify unverified tokens)
+        full = self.slots(r.seq, r.seq.params.max_tokens)  # the most it can write: every decoding stays within it
+        # a step writes from its cache length on, its token and draft rows (and one slot of slack)
         need = min(full, max(self.slots(r.seq, len(r.seq.output_ids) + 1), r.cache.length + self.extra_rows + 2))
         if need <= r.cache.max_len:
             return need
         return max(need, self.slots(r.seq, 2 * (r.cache.max_len - len(r.seq.prompt_ids) - self.extra_rows)))
 
     def _bring_back(self) -> None:
-        """Parked requests back in the pool, oldest first, while their runs fit and slots are free."""
-        while self.parked and len(self.running) < self.max_num_seqs:
-            r = self.parked[0]
-            size = self._size(r) if r.prefilled else r.parked[0].shape[3]
-            if not self.kv.restore(r.seq.request_id, r.cache, r.parked, size):
+        """Parked requests back in the pool, oldest first, each whose run fits while slots are free (one that
+        does not fit yet does not hold back the others; newcomers wait until every parked one is back)."""
+        for r in list(self.parked):
+            if len(self.running) >= self.max_num_seqs:
                 return
-            r.parked = None
-            self.running.append(self.parked.pop(0))
+            size = self._size(r) if r.prefilled else self.slots(r.seq, FIRST_ROOM)
+            if self.kv.restore(r.seq.request_id, r.cache, r.parked, size):
+                r.parked = None
+                self.parked = [x for x in self.parked if x is not r]
+                self.running.append(r)
 
     def retire(self) -> tuple[list[Sequence], list[Running]]:
         """The requests that ended since the last call: those refused at add_request, and the running

@@ -22,6 +22,7 @@ from .sequence import RequestOutput, Sequence
 from .threads import ThreadPolicy, release_openmp_pool
 
 log = logging.getLogger(__name__)
+IN_FLIGHT = "requests are in flight on this LLM: change its decoding, scheduling or KV cache between requests"
 
 
 @dataclass
@@ -72,7 +73,8 @@ class RequestHandle:
         return self.seq.output()
 
     def _emit(self) -> bool:
-        """Hand the consumer what is new (engine thread only); True once the request has ended."""
+        """Hand the consumer what is new (the engine thread, or the submitting one once the thread has
+        stopped); True once the request has ended."""
         seq = self.seq
         ids = seq.output_ids[self._sent_ids:]
         self._sent_ids += len(ids)
@@ -136,7 +138,18 @@ class EngineThread:
     def busy(self) -> bool:
         """Whether a submitted request has not ended yet."""
         with self._lock:
-            return any(not h.done.is_set() for h in self._handles)
+            return self._busy()
+
+    def swap_engine(self, engine) -> None:
+        """Decode with `engine` from the next step on; refused while a request is in flight (it would be
+        dropped with the old engine), under the lock that submits take."""
+        with self._lock:
+            if self._busy():
+                raise RuntimeError(IN_FLIGHT)
+            self.engine = engine
+
+    def _busy(self) -> bool:
+        return any(not h.done.is_set() for h in self._handles)
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step; it ends with finish_reason "abort" (unless it ended first)."""

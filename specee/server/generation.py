@@ -116,7 +116,7 @@ def sequences(state: ServerState, body: GenerationRequest) -> list[Sequence]:
             raise APIError(400, f"{field}: the prompt has {len(ids)} tokens, the model's context is {limit}",
                            field, "context_length_exceeded")
         budget = body.token_budget()
-        if budget is None:  # the rest of the context, as far as the KV cache holds it (admission reserves it all)
+        if budget is None:  # the rest of the context, as far as the KV cache holds it (a bound; runs grow as needed)
             budget = llm.engine.room(len(ids))
             if budget < 1:
                 raise APIError(400, f"{field}: the prompt's {len(ids)} tokens leave no room for a completion in the "

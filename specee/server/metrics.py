@@ -25,8 +25,8 @@ class Metrics:
         self.running.labels(model_name).set_function(running)
         self.waiting = Gauge("specee:num_requests_waiting", "Requests waiting for one of those places", **label)
         self.waiting.labels(model_name).set_function(waiting)
-        self.swapped = Gauge("specee:num_requests_swapped", "Requests parked out of the KV cache, their rows in host "
-                             "memory, until it has room (counted as waiting too)", **label)
+        self.swapped = Gauge("specee:num_requests_swapped", "Requests parked out of the KV cache until it has room: "
+                             "their rows in host memory beyond --kv-cache-memory (counted as waiting too)", **label)
         self.swapped.labels(model_name).set_function(parked)
         self.prompt_tokens = Counter("specee:prompt_tokens", "Prefill tokens processed", **label)
         self.generation_tokens = Counter("specee:generation_tokens", "Generated tokens", **label)
