@@ -204,6 +204,7 @@ def test_stop_none_means_no_stop_strings(tiny_llm):
     # found after the weights loaded, once
     ("x", {"early_exit": {"mode": "lossy"}}, ValueError, "early_exit needs a drafter"),
     ("x", {"early_exit": {"draft": "ngram", "bank": "/nonexistent"}}, ValueError, "'/nonexistent' is not a directory"),
+    ("x", {"early_exit": {"draft": "ngram", "bank": "/tmp"}}, ValueError, "/tmp: not a predictor bank (manifest.json"),
     ("x", {"kv_cache_memory": 0}, ValueError, "at least 1 token"),
     ("x", {"kv_cache_memory": "lots"}, ValueError, "is not a size like 512MiB"),
     ("x", {"kv_cache_dtype": "int8"}, ValueError, "kv_cache_dtype (--kv-cache-dtype) must be one of"),

@@ -160,20 +160,25 @@ class Scheduler:
     def _make_room(self) -> None:
         """Grow every decoding request's run, oldest first, to hold its next step's rows; where one cannot
         grow, park the newest running request (perhaps itself) and try again."""
-        for r in sorted(self.running, key=lambda x: x.admitted):
-            while r.prefilled and r.parked is None and not self.kv.grow(r.seq.request_id, r.cache, self._size(r)):
+        short = [r for r in self.running if r.prefilled and self._need(r) > r.cache.max_len]  # most steps: none
+        for r in sorted(short, key=lambda x: x.admitted):
+            while r.parked is None and not self.kv.grow(r.seq.request_id, r.cache, self._size(r)):
                 newest = max(self.running, key=lambda x: x.admitted)
                 written = max(newest.cache.length, newest.prefill_done)  # a prompt's parts so far, mid-prefill
                 newest.parked = self.kv.park(newest.seq.request_id, newest.cache, written)
                 self.running = [x for x in self.running if x is not newest]
                 self.parked = sorted(self.parked + [newest], key=lambda x: x.admitted)
 
+    def _need(self, r: Running) -> int:
+        """The slots a decoding request's next step may write up to: from its cache length on, its token and
+        draft rows (and one slot of slack), never past all it can write (prompt + max_tokens + draft rows)."""
+        full = self.slots(r.seq, r.seq.params.max_tokens)
+        return min(full, max(self.slots(r.seq, len(r.seq.output_ids) + 1), r.cache.length + self.extra_rows + 2))
+
     def _size(self, r: Running) -> int:
         """The slots a decoding request's run is to hold before its next step: room for the step's rows,
         and where the run must grow for them, room for as many new tokens again (runs double: moves are rare)."""
-        full = self.slots(r.seq, r.seq.params.max_tokens)  # the most it can write: every decoding stays within it
-        # a step writes from its cache length on, its token and draft rows (and one slot of slack)
-        need = min(full, max(self.slots(r.seq, len(r.seq.output_ids) + 1), r.cache.length + self.extra_rows + 2))
+        need = self._need(r)
         if need <= r.cache.max_len:
             return need
         return max(need, self.slots(r.seq, 2 * (r.cache.max_len - len(r.seq.prompt_ids) - self.extra_rows)))
