@@ -141,3 +141,39 @@ def test_a_parked_request_aborted_ends_and_the_others_decode_as_alone(mode_llms,
         if s is not victim:
             assert s.finish_reason == "length" and s.output_ids == solo(llm, s)[0]
 
+
+
+def test_a_request_whose_parking_would_pass_the_swap_space_ends_with_an_error(mode_llms, monkeypatch):
+    """With room in host memory for one parked request's rows and no more, the request a second park
+    would take ends with finish_reason "error" naming swap_space; the others decode as they do alone,
+    the parked one included, and every block comes back."""
+    monkeypatch.setattr(scheduler, "FIRST_ROOM", 2)
+    llm = mode_llms["full"]
+    one = KVCacheManager(llm.model.cfg, llm.model.device, llm.model.kv_dtype, BLOCK_SIZE)
+    block_bytes = one.park_bytes(one.allocate("x", BLOCK_SIZE), BLOCK_SIZE)
+    params = SamplingParams(ignore_eos=True, max_tokens=40)
+    seqs = [sequence(llm, p, params) for p in (PROMPTS[0], PROMPTS[3], PROMPTS[2], PROMPTS[1])]
+    engine = Engine(llm.model, llm.engine.decoding, kv_cache_memory=6 * BLOCK_SIZE,
+                    swap_space=3.5 * block_bytes / 2**30)  # one request's 2-3 written blocks, not two requests'
+    for s in seqs:
+        engine.add_request(s)
+    parked = 0
+    while engine.has_unfinished():
+        engine.step()
+        parked = max(parked, len(engine.scheduler.parked))
+        assert engine.scheduler._parked_bytes() <= engine.scheduler.swap_space
+    failed = [s for s in seqs if s.finish_reason == "error"]
+    assert parked == 1 and 1 <= len(failed) <= 2, [s.finish_reason for s in seqs]
+    assert all("swap_space (--swap-space" in s.error and "kv_cache_memory" in s.error for s in failed)
+    assert engine.kv.free_runs == [(0, engine.kv.num_blocks)] and not engine.kv.owned
+    for s in seqs:
+        if s.finish_reason != "error":
+            assert s.finish_reason == "length" and s.output_ids == solo(llm, s)[0]
+
+
+@pytest.mark.parametrize("gib", [-1, float("nan"), "4", True])
+def test_a_bad_swap_space_is_refused_before_loading(gib, tmp_path):
+    from specee import LLM
+
+    with pytest.raises(ValueError, match=r"swap_space \(--swap-space\)"):
+        LLM(tmp_path / "no-model", swap_space=gib)

@@ -289,3 +289,35 @@ def test_health_is_503_while_loading(llm):
         assert server.client().models.list().data[0].id == "stories"
     finally:
         server.stop()
+
+
+def test_a_request_that_would_pass_the_swap_space_fails_alone(monkeypatch):
+    """Two requests outgrow a 64-token pool with no swap space: the one that would be parked ends with a
+    generation error naming --swap-space (a 500, or an error event in its stream), the other finishes."""
+    from specee.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "FIRST_ROOM", 2)  # runs that must grow as they decode
+    llm = LLM(real_model_dir("stories260K"), dtype="float32", kv_cache_memory=64, swap_space=0)
+    server = LiveServer(create_app(llm, model_name="stories"))
+    params = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+
+    async def main():
+        client = server.async_client()
+
+        async def streamed():
+            text = ""
+            async for chunk in await client.completions.create(stream=True, **params):
+                text += chunk.choices[0].text
+            return text
+        return await asyncio.gather(client.completions.create(**params), streamed(), return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+        failed = [r for r in results if isinstance(r, openai.APIError)]
+        assert len(failed) == 1 and "--swap-space" in str(failed[0]), results
+        finished = next(r for r in results if not isinstance(r, Exception))
+        assert finished if isinstance(finished, str) else finished.choices[0].finish_reason == "length"
+        assert server.metric("specee:num_requests_running") == 0 and llm.engine.kv.free_blocks == llm.engine.kv.num_blocks
+    finally:
+        server.stop()

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..engine.scheduling import DEFAULT_SWAP_SPACE, swap_space_bytes
 from .outputs import exit_room_note
 
 PROG = "specee"
@@ -81,6 +82,9 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastes
         g.add_argument("--kv-cache-memory", type=kv_cache_memory_arg, default=None, metavar="SIZE|TOKENS",
                        help="the KV cache pool requests share: a size (512MiB, 2GB) or a token count "
                             "(default: 1 GiB, at least one full context; generate: its one request's size)")
+        g.add_argument("--swap-space", type=swap_space_arg, default=DEFAULT_SWAP_SPACE, metavar="GiB",
+                       help="host memory for requests parked out of a full KV cache; one whose parking would pass "
+                            f"it ends with an error (default: {DEFAULT_SWAP_SPACE:g}, as vLLM's)")
         g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="what the KV cache stores (default: auto = float16 where specee's AVX-512 or AVX2 attention "
                             "reads it, as llama.cpp: half the memory and bytes read; else the compute dtype)")
@@ -98,6 +102,16 @@ def add_quantization_arg(group, fastest: bool = False) -> None:
     group.add_argument("--quantization", choices=("int4", "int8", "auto", "none"), default=None,
                        help=f"{QUANTIZATION_HELP}; default: {default}")
     group.set_defaults(fastest_quantization=fastest)
+
+
+def swap_space_arg(value: str) -> float:
+    """--swap-space: GiB, checked as LLM checks it."""
+    try:
+        gib = float(value)
+        swap_space_bytes(gib)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not GiB of host memory from 0 to 1 PiB") from None
+    return gib
 
 
 def kv_cache_memory_arg(value: str) -> int | str:
@@ -366,6 +380,7 @@ def load_llm(args: argparse.Namespace):
         llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
                   speculative_config=speculative, threads=args.threads,
                   kv_cache_memory=getattr(args, "kv_cache_memory", None),
+                  swap_space=getattr(args, "swap_space", DEFAULT_SWAP_SPACE),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **scheduling(args))
     except QuantizationError as e:
         raise CLIError(f"--quantization {quantization}: {e}; --quantization none runs float weights") from None

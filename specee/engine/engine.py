@@ -25,18 +25,22 @@ from .decoding import FullDepth
 from .kv_manager import KVCacheManager, parse_kv_budget
 from .runner import ModelRunner, Segment
 from .scheduler import Running, Scheduler
-from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, check_scheduling
+from .scheduling import (DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, DEFAULT_SWAP_SPACE,
+                         check_scheduling, swap_space_bytes)
 from .sequence import Sequence
 
 
 class Engine:
     def __init__(self, model: Transformer, decoding: FullDepth | None = None, kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv: KVCacheManager | None = None):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv: KVCacheManager | None = None,
+                 swap_space: float = DEFAULT_SWAP_SPACE):
         """max_num_batched_tokens: rows a step runs (a step with prompt parts may pass it by one part);
         prefill_chunk: the prompt tokens a step prefills of one request (0: whole prompts); kv: an earlier
-        engine's pool, taken over where it fits (KVCacheManager.reusing)."""
+        engine's pool, taken over where it fits (KVCacheManager.reusing); swap_space: GiB of host memory
+        for requests parked out of a full pool (scheduler.py)."""
         check_scheduling(max_num_seqs, max_num_batched_tokens, prefill_chunk)
+        swap_bytes = swap_space_bytes(swap_space)
         self.model = model
         self.decoding = decoding or FullDepth(model)
         self.kv = KVCacheManager.reusing(kv, model.cfg, model.device, model.kv_dtype,
@@ -44,7 +48,7 @@ class Engine:
                                                          self.decoding.extra_rows))
         self.runner = ModelRunner(model, DecodeGraphs(model, self.kv) if model.device.type == "cuda" else None)
         self.scheduler = Scheduler(self.kv, model.cfg.context_limit, self.decoding.extra_rows, max_num_seqs,
-                                   max_num_batched_tokens, prefill_chunk, self.decoding.prefill_length)
+                                   max_num_batched_tokens, prefill_chunk, self.decoding.prefill_length, swap_bytes)
 
     def check(self, seq: Sequence) -> None:
         """Raise ValueError if the request can never run (empty, longer than the context or the cache)."""

@@ -179,10 +179,19 @@ class KVCacheManager:
         self._rebind(cache, to, need)
         return True
 
+    def park_bytes(self, cache: KVCache, written: int) -> int:
+        """Host memory `park` takes for these rows."""
+        per_slot = (self.k[:, :, :, :1].numel() * 2 * self.k.element_size()) + self.filled[:, :, :1].numel()
+        return self._park_slots(cache, written) * per_slot
+
+    def _park_slots(self, cache: KVCache, written: int) -> int:
+        """The slots `park` keeps: the first `written`, rounded up to blocks (later ones hold nothing read)."""
+        return min(cache.max_len, self.blocks_for(max(written, 1)) * BLOCK_SIZE)
+
     def park(self, owner: str, cache: KVCache, written: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Move `owner`'s first `written` slots (rounded up to blocks; later ones hold nothing it reads) out
-        of the pool, to host memory outside the pool's budget, and free its run; `restore` puts them back."""
-        slots = min(cache.max_len, self.blocks_for(max(written, 1)) * BLOCK_SIZE)
+        """Move `owner`'s first `written` slots out of the pool, to host memory outside the pool's budget
+        (the scheduler's `swap_space`, scheduling.py), and free its run; `restore` puts them back."""
+        slots = self._park_slots(cache, written)
         saved = tuple(t.to("cpu", copy=True) for t in (cache.k[:, :, :, :slots], cache.v[:, :, :, :slots],
                                                            cache.filled[:, :, :slots]))
         self.free(owner)

@@ -29,7 +29,8 @@ from .engine import Engine
 from .kv_manager import check_kv_budget
 from .loading import (check_device, check_draft_tokenizers, check_early_exit, collector_paused, load_eos_ids,
                       merged_config, named_drafts, resolve_dtype)
-from .scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, check_scheduling
+from .scheduling import (DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, DEFAULT_SWAP_SPACE,
+                         check_scheduling, swap_space_bytes)
 from .sequence import RequestOutput, Sequence, token_ids
 from .teacher import TeacherForcedStep
 from .threads import ThreadPolicy, check_threads, oversubscribed, prefetch_setting
@@ -61,6 +62,8 @@ class LLM:
     reads the cache, else the compute dtype), "float16" or "float32". max_num_seqs,
     max_num_batched_tokens, prefill_chunk: the engine's scheduling (engine/scheduling.py; prefill_chunk:
     a longer prompt prefills this many tokens a step, so running requests keep decoding; 0: whole).
+    swap_space: GiB of host memory for requests parked out of a full KV cache (vLLM's; one whose
+    parking would pass it ends with an error).
     """
 
     @collector_paused
@@ -69,7 +72,8 @@ class LLM:
                  quantization: str | None = "auto", speculative_config: dict | None = None,
                  kv_cache_memory: int | str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  threads: int | None = None, kv_cache_dtype: str = "auto",
-                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 swap_space: float = DEFAULT_SWAP_SPACE):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a path or a Hugging Face hub id (str or Path), got {model!r}")
         if isinstance(early_exit, dict):  # as speculative_config is given
@@ -86,6 +90,7 @@ class LLM:
             quantization = None  # nothing measured off the CPU yet: float weights
         check_early_exit(early_exit)
         check_kv_budget(kv_cache_memory)
+        swap_space_bytes(swap_space)
         check_kv_cache_dtype(kv_cache_dtype)
         self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
         if drafts := named_drafts(early_exit, speculative_config):
@@ -104,7 +109,7 @@ class LLM:
         self.progress = progress
         self._streams = threading.local()  # .output: this thread's last stream's RequestOutput (last_output)
         self._calibrating = threading.Lock()  # two threads' first requests calibrate once
-        self.kv_cache_memory = kv_cache_memory
+        self.kv_cache_memory, self.swap_space = kv_cache_memory, swap_space
         self.scheduling = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                            "prefill_chunk": prefill_chunk}
         self._early_exit: EarlyExitDecoding | None = None
@@ -175,7 +180,7 @@ class LLM:
         last engine's KV pool where it fits: its pages are in already)."""
         last = getattr(self, "engine", None)
         self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory,
-                             kv=last.kv if last is not None else None, **self.scheduling)
+                             kv=last.kv if last is not None else None, swap_space=self.swap_space, **self.scheduling)
         if getattr(self, "_worker", None) is not None:
             self._worker.swap_engine(self.engine)  # refused, under the worker's lock, if a request came meanwhile
 

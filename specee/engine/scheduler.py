@@ -9,6 +9,8 @@ draft rows of one step and up to FIRST_ROOM new tokens; before each step a run g
 the step writes (kv_manager.py). Where it cannot, the newest running request is parked: its rows
 leave the pool exactly as they are, and it comes back, before any newcomer, when blocks come free,
 so memory shapes only when a request's tokens come, never which (vLLM's preemption, by swapping).
+Parked rows take host memory up to `swap_space` bytes; a request whose parking would pass it ends
+with finish_reason "error" instead (vLLM's answer when its swap space runs out).
 
 Chunked prefill: a prompt longer than `prefill_chunk` tokens is prefilled a part at a time, one part
 a step, so that a long prompt does not stop everyone else's decoding for the whole of its prefill.
@@ -79,9 +81,11 @@ class Running:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, context_limit: int, extra_rows: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefill_chunk: int, prefill_length: Callable[[Sequence], int]):
-        """prefill_length: how many prompt tokens a request's prefill runs (its decoding's rule)."""
-        self.kv, self.context_limit, self.extra_rows = kv, context_limit, extra_rows
+                 max_num_batched_tokens: int, prefill_chunk: int, prefill_length: Callable[[Sequence], int],
+                 swap_space: int):
+        """prefill_length: how many prompt tokens a request's prefill runs (its decoding's rule); swap_space:
+        bytes of host memory parked requests may take."""
+        self.kv, self.context_limit, self.extra_rows, self.swap_space = kv, context_limit, extra_rows, swap_space
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.prefill_chunk, self.prefill_length = prefill_chunk, prefill_length
         self.waiting: deque[Sequence] = deque()
@@ -89,6 +93,7 @@ class Scheduler:
         self.parked: list[Running] = []  # out of the pool until blocks come free, oldest admitted first
         self.admissions = 0
         self.failed: list[Sequence] = []  # ended at add_request; returned by the next step
+        self.unparkable: list[Running] = []  # ended with an error where parking would pass swap_space
 
     def check(self, seq: Sequence) -> None:
         """Raise ValueError if the request can never run here."""
@@ -115,7 +120,7 @@ class Scheduler:
             raise ValueError(f"request_id {rid!r} is already in flight; give every request its own id")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.parked or self.failed)
+        return bool(self.waiting or self.running or self.parked or self.failed or self.unparkable)
 
     def part(self, r: Running) -> tuple[int, int]:
         """The prompt tokens [start, end) of a request's next prefill part."""
@@ -159,15 +164,26 @@ class Scheduler:
 
     def _make_room(self) -> None:
         """Grow every decoding request's run, oldest first, to hold its next step's rows; where one cannot
-        grow, park the newest running request (perhaps itself) and try again."""
+        grow, park the newest running request (perhaps itself) and try again; where its rows would pass the
+        swap space, it ends with an error instead."""
         short = [r for r in self.running if r.prefilled and self._need(r) > r.cache.max_len]  # most steps: none
         for r in sorted(short, key=lambda x: x.admitted):
-            while r.parked is None and not self.kv.grow(r.seq.request_id, r.cache, self._size(r)):
+            while r.parked is None and not r.seq.finished and not self.kv.grow(r.seq.request_id, r.cache, self._size(r)):
                 newest = max(self.running, key=lambda x: x.admitted)
                 written = max(newest.cache.length, newest.prefill_done)  # a prompt's parts so far, mid-prefill
-                newest.parked = self.kv.park(newest.seq.request_id, newest.cache, written)
                 self.running = [x for x in self.running if x is not newest]
+                if self._parked_bytes() + self.kv.park_bytes(newest.cache, written) > self.swap_space:
+                    newest.seq.fail(f"the KV cache (kv_cache_memory, --kv-cache-memory) is full and parking this "
+                                    f"request's {written} tokens would pass swap_space (--swap-space, "
+                                    f"{self.swap_space / 2**30:g} GiB of host memory); raise either or lower max_tokens")
+                    self.kv.free(newest.seq.request_id)
+                    self.unparkable.append(newest)
+                    continue
+                newest.parked = self.kv.park(newest.seq.request_id, newest.cache, written)
                 self.parked = sorted(self.parked + [newest], key=lambda x: x.admitted)
+
+    def _parked_bytes(self) -> int:
+        return sum(t.nbytes for r in self.parked for t in r.parked)
 
     def _need(self, r: Running) -> int:
         """The slots a decoding request's next step may write up to: from its cache length on, its token and
@@ -196,10 +212,10 @@ class Scheduler:
                 self.running.append(r)
 
     def retire(self) -> tuple[list[Sequence], list[Running]]:
-        """The requests that ended since the last call: those refused at add_request, and the running
-        ones that finished, which leave the batch and give their blocks back."""
+        """The requests that ended since the last call: those refused at add_request, those that could
+        not be parked, and the running ones that finished, which leave the batch and give their blocks back."""
         failed, self.failed = self.failed, []
-        done = [r for r in self.running if r.seq.finished]
+        done, self.unparkable = self.unparkable + [r for r in self.running if r.seq.finished], []
         if done:
             self.running = [r for r in self.running if not r.seq.finished]
             for r in done:

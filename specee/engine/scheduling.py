@@ -2,9 +2,13 @@
 and the command line share, their checks, and how a prompt is cut into prefill parts."""
 from __future__ import annotations
 
+import math
+
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_BATCHED_TOKENS = 2048  # vLLM's default with chunked prefill
 DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_SWAP_SPACE = 4.0  # GiB of host memory for parked requests' rows (vLLM's --swap-space default)
+MAX_SWAP_SPACE = 1 << 20  # GiB (1 PiB), as the KV cache's bound
 DEFAULT_MAX_QUEUE = 512  # a server's requests that may wait beyond max_num_seqs, then 429 (specee serve --max-queue)
 
 # a prompt part's fewest rows unless the whole prompt is shorter: decode_layer.cpp's kTilePromptRows,
@@ -34,3 +38,13 @@ def check_scheduling(max_num_seqs: object, max_num_batched_tokens: object, prefi
             raise ValueError(f"{name} ({flag}) must be an integer of at least {least}, got {value!r}")
     if not prefill_chunk_allowed(prefill_chunk):
         raise ValueError(f"prefill_chunk (--prefill-chunk) must be {PREFILL_CHUNK_RULE}, got {prefill_chunk}")
+
+
+def swap_space_bytes(gib: object) -> int:
+    """Bytes of a `swap_space` in GiB (vLLM's unit): the host memory parked requests' rows may take beyond
+    the KV pool. Why a bound: on the CPU that is the same memory, and up to max_num_seqs requests of a
+    whole context each could otherwise be parked at once (64 x 8,192 SmolLM2 tokens: 12 GiB)."""
+    if (not isinstance(gib, (int, float)) or isinstance(gib, bool) or not math.isfinite(gib)
+            or not 0 <= gib <= MAX_SWAP_SPACE):
+        raise ValueError(f"swap_space (--swap-space) must be GiB of host memory from 0 to {MAX_SWAP_SPACE}, got {gib!r}")
+    return int(gib * 2**30)
