@@ -171,6 +171,13 @@ def cmd_speed(args: argparse.Namespace) -> int:
 
     policies = checked_policies(args)
     model, draft = resolve_models(args)
+    if args.oracle_layers is not None:  # a mean past the model's depth gave ceilings below 1x, unremarked
+        from ..model.llama import model_config
+
+        layers = model_config(model).num_layers
+        if not 1 <= args.oracle_layers <= layers:
+            raise BenchError(f"--oracle-layers {args.oracle_layers:g}: the oracle's mean layers run lies between 1 "
+                             f"and the model's {layers} layers")
     if args.llama_cpp or args.llama_cpp_lookup:
         from .llama_cpp import check_target
 
@@ -196,16 +203,18 @@ def cmd_speed(args: argparse.Namespace) -> int:
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
+    from ..model.llama import model_config
     from . import plots
-    from .quality import quality_markdown, run_quality
+    from .quality import PARTS, checked_ppl_window, quality_markdown, run_quality
 
-    parts = parse_list(args.parts) or []
-    tasks = parse_list(args.mc_tasks) or []
-    bad = [t for t in tasks if t not in MC_TASKS]
-    if bad:
-        raise BenchError(f"--mc-tasks: unknown {bad}; choose from {', '.join(MC_TASKS)}")
+    parts, tasks = flag_list(args, "--parts"), flag_list(args, "--mc-tasks")
+    for flag, values, known in (("--parts", parts, PARTS), ("--mc-tasks", tasks, MC_TASKS)):
+        if bad := [v for v in values if v not in known]:  # an unknown part failed after the model loaded
+            raise BenchError(f"{flag}: unknown {bad}; choose from {', '.join(known)}")
     policies = checked_policies(args)  # an unknown one failed after the model loaded
     model, draft = resolve_models(args)
+    if "ppl" in parts:  # a window past the context was silently shortened to it
+        args.ppl_window = checked_ppl_window(args.ppl_window, model_config(model).context_limit)
     prompts = prompts_from(args) if "agreement" in parts else []
     llm = load_target(args, model)
     report = run_quality(llm, prompts, draft=draft, bank=args.bank, k=args.k, policies=policies,
@@ -344,7 +353,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--policies", default="skip,propagate,recompute", help="KV policies to evaluate")
     q.add_argument("--parts", default="agreement,ppl,mc", help="which parts: agreement, ppl, mc")
     q.add_argument("--ppl-tokens", type=positive_int, default=2048, help="tokens scored for perplexity (default 2048)")
-    q.add_argument("--ppl-window", type=positive_int, default=512, help="perplexity window in tokens (default 512)")
+    q.add_argument("--ppl-window", type=positive_int, default=None,
+                   help="perplexity window in tokens, at most the model's context (default 512, or the context "
+                        "if shorter)")
     q.add_argument("--ppl-file", metavar="FILE", type=existing_path, default=None,
                    help="text for perplexity (default: <shared>/data/text/wikitext2_test.txt)")
     q.add_argument("--mc-tasks", default="csqa,sst2,mmlu", help="multiple-choice tasks: csqa, sst2, mmlu")

@@ -11,6 +11,8 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
+from .report import replacing
+
 INSTALL_HINT = "pip install 'specee[plots]'"
 
 
@@ -50,11 +52,10 @@ def _figure(width: float, height: float):
 
 
 def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, format="png")
-    return path
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return Path(path)
 
 
 def _title(report: dict[str, Any]) -> str:

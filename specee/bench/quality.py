@@ -52,6 +52,9 @@ from .report import environment, environment_md, md_table
 from .tasks import (LETTERS, MC_TASKS, MCItem, Prompt, answer_separator, encode_mc, load_mc_task,
                     read_text_tokens)
 
+PARTS = ("agreement", "ppl", "mc")
+PPL_WINDOW = 512  # the default perplexity window, in tokens
+
 
 # ---- (a) agreement under teacher forcing ---------------------------------------------------------
 def full_depth_continuations(llm, prompt_ids: Sequence[list[int]], max_new_tokens: int,
@@ -110,15 +113,24 @@ def agreement(llm, prompt_ids: Sequence[list[int]], continuations: Sequence[list
 
 
 # ---- (b) perplexity ------------------------------------------------------------------------------
+def checked_ppl_window(window: int | None, context: int) -> int:
+    """The perplexity window: `window`, or PPL_WINDOW (shortened to a shorter context) when None. A window
+    past the context is refused, not shortened: the report would name one window and score another."""
+    if window is None:
+        return min(PPL_WINDOW, context)
+    if not 3 <= window <= context:
+        raise BenchError(f"--ppl-window {window}: a window holds 3 tokens or more, and at most the model's "
+                         f"context of {context} tokens")
+    return window
+
+
 def perplexity_windows(llm, token_ids: Sequence[int], tokens: int, window: int) -> list[tuple[list[int], list[int]]]:
     """(context, scored continuation) windows of at most `window` tokens, `tokens` scored in all.
 
     Each window is [BOS] + a chunk of the text (no BOS if the tokenizer has none); its first two
     tokens are the unscored context (early exit prefills all but the last prompt token, and a
     draft-model drafter needs at least one token before that), the rest are scored."""
-    window = min(window, llm.model.cfg.context_limit)
-    if window < 3:
-        raise BenchError("--ppl-window must be at least 3")
+    window = checked_ppl_window(window, llm.model.cfg.context_limit)
     bos = llm.tokenizer.token_id(llm.tokenizer.bos_token)
     head = [] if bos is None else [bos]
     out: list[tuple[list[int], list[int]]] = []
@@ -250,15 +262,15 @@ def score_mc(llm, items: Sequence[MCItem], show_progress: bool = False,
 
 # ---- the whole benchmark ---------------------------------------------------------------------------
 def run_quality(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None = None, k: int = 4,
-                policies: Sequence[str] = KV_POLICIES, parts: Sequence[str] = ("agreement", "ppl", "mc"),
-                max_new_tokens: int = 128, chat: str | bool = "auto", ppl_tokens: int = 2048, ppl_window: int = 512,
+                policies: Sequence[str] = KV_POLICIES, parts: Sequence[str] = PARTS, max_new_tokens: int = 128,
+                chat: str | bool = "auto", ppl_tokens: int = 2048, ppl_window: int | None = None,
                 ppl_file: str | Path | None = None, mc_tasks: Sequence[str] = MC_TASKS, mc_items: int = 100,
                 shots: int = 3, mmlu_subjects: Sequence[str] | None = None, shared=None,
                 ee_options: dict[str, Any] | None = None, show_progress: bool = True,
                 argv: Sequence[str] | None = None) -> dict[str, Any]:
-    bad = [p for p in parts if p not in ("agreement", "ppl", "mc")]
+    bad = [p for p in parts if p not in PARTS]
     if bad:
-        raise BenchError(f"unknown parts {bad}; choose from agreement, ppl, mc")
+        raise BenchError(f"--parts: unknown {bad}; choose from {', '.join(PARTS)}")
     opts = dict(ee_options or {})
     configs = {p: make_config(draft, bank, k, kv_policy=p, mode="lossy", **opts) for p in policies}
     if not configs:
@@ -280,8 +292,9 @@ def run_quality(llm, prompts: Sequence[Prompt], *, draft: str, bank: str | None 
             use_config(llm, None)
             path = Path(ppl_file) if ppl_file else shared_file(shared, "data", "text", "wikitext2_test.txt",
                                                                what="WikiText-2 text")
+            ppl_window = checked_ppl_window(ppl_window, llm.model.cfg.context_limit)
             windows = perplexity_windows(llm, read_text_tokens(llm, path, ppl_tokens), ppl_tokens, ppl_window)
-            ppl = {"file": str(path), "window": min(ppl_window, llm.model.cfg.context_limit), "windows": len(windows),
+            ppl = {"file": str(path), "window": ppl_window, "windows": len(windows),
                    "full": perplexity_full(llm, windows, show_progress), "early_exit": {}}
             for policy, cfg in configs.items():
                 use_config(llm, cfg)

@@ -10,7 +10,8 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -109,18 +110,28 @@ def environment(llm=None, *, draft: str | None = None, drafter=None, bank: str |
 
 
 # ---- output ---------------------------------------------------------------------------------
-def write_json(path: str | Path, obj: Any) -> Path:
+@contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """A temporary file beside `path` to write, moved over `path` only when the block ends without error:
+    an interrupted or failing run leaves the previous report whole, never half of a new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(jsonable(obj), indent=2, allow_nan=False, ensure_ascii=False) + "\n")
-    return path
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    return write_text(path, json.dumps(jsonable(obj), indent=2, allow_nan=False, ensure_ascii=False))
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
-    return path
+    with replacing(path) as tmp:
+        tmp.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    return Path(path)
 
 
 def fmt(x: Any, digits: int = 2) -> str:

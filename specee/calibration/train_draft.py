@@ -28,6 +28,9 @@ from .record import Record, record, training_sequences
 CHECKPOINT_DIR = "checkpoint"
 RECIPE_NAME = "eagle-ttt-v2"  # v2: loss on the answers only
 MAX_DEFAULT_SHORTLIST = 4096  # FR-Spec: a quarter of the vocabulary by frequency, at most 4k tokens
+# Half a fresh run's budget records the target: a 30 s budget trained ref-target-24L's head 16 steps (2-core CPU),
+# short of the 20 warmup steps, and a 6 s one stories260K's a single step; heads no better than untrained.
+MIN_MINUTES = 1.0
 
 
 def default_shortlist_size(vocab_size: int) -> int:
@@ -163,6 +166,8 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
     (head.safetensors + manifest.json; the resumable state in output/checkpoint). Returns the manifest."""
     from ..engine.llm import LLM
 
+    output = Path(output)
+    check_run(output, minutes, resume)
     t_start = time.monotonic()
     deadline = t_start + minutes * 60
     llm = model if isinstance(model, LLM) else LLM(model, device=device, dtype="float32", progress=progress,
@@ -170,12 +175,8 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
     target, cfg = llm.model, llm.model.cfg
     if target.dtype != torch.float32:
         raise ValueError(f"the head trains in float32; load the target with dtype='float32' (it is {target.dtype})")
-    output = Path(output)
     ckpt = output / CHECKPOINT_DIR
     state = _read_state(ckpt, llm.fingerprint) if resume else None
-    if state is None and ckpt.exists():
-        raise FileExistsError(f"{output} already holds a training checkpoint; pass --resume (resume=True) to "
-                              "continue it, or choose a new directory")
     if state is not None:
         recipe = Recipe(**state["recipe"])
         head_cfg = EagleHeadConfig.for_target(cfg, tuple(state["feature_layers"]), state["shortlist_size"])
@@ -201,8 +202,6 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
         rec = record(target, sequences, head_cfg.feature_layers, shortlist, recipe.top_k,
                      deadline=t_start + recipe.record_fraction * minutes * 60, seed=recipe.seed, progress=progress,
                      loss_from=loss_from)
-        ckpt.mkdir(parents=True, exist_ok=True)
-        rec.save(ckpt / "record.safetensors")
     held = [i for i, src in enumerate(rec.sources.tolist()) if src % recipe.held_out_every == 0]
     train = [i for i, src in enumerate(rec.sources.tolist()) if src % recipe.held_out_every]
     if not train or not held:
@@ -216,10 +215,15 @@ def train_draft(model, output: str | Path, minutes: float = 5.0, feature_layers:
             p.requires_grad_(True)
         optimizer = _optimizer(head, recipe)
         done = {"steps": 0, "train_seconds": 0.0, "tokens": 0}
+        ckpt.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no checkpoint to block the next
+        rec.save(ckpt / "record.safetensors")
         _save_checkpoint(ckpt, head, optimizer, recipe, done, 0.0)  # resumable from here on, even if interrupted
     steps_before = done["steps"]
     last = rec.last_hidden(head_cfg.feature_layers, cfg.num_layers)
     _train_steps(head, optimizer, rec, last, train, recipe, done, deadline, ckpt, progress)
+    if not done["steps"]:  # an untrained head is not written; the checkpoint holds the recording
+        raise ValueError(f"minutes (--minutes) {minutes:g} left no time to train after recording the target, and "
+                         f"no head was written; --resume (resume=True) trains on the recording kept in {ckpt}")
     metrics = evaluate(head, rec, held, recipe, cfg.num_layers)
     manifest_extra = {
         "recipe": RECIPE_NAME, "training": asdict(recipe), "target": str(llm.model_dir),
@@ -302,15 +306,22 @@ def _optimizer(head: EagleHead, recipe: Recipe) -> torch.optim.AdamW:
                              weight_decay=recipe.weight_decay)
 
 
-def check_resumable(ckpt: Path) -> None:
-    """Refuse a checkpoint directory without a whole checkpoint's files (`resume` checks this first; the
-    CLI's --resume before the target loads)."""
-    if not all((ckpt / name).is_file() for name in ("state.json", "state.safetensors", "record.safetensors")):
-        raise FileNotFoundError(f"nothing to resume: {ckpt} holds no complete training checkpoint")
+def check_run(output: Path, minutes: float, resume: bool) -> None:
+    """Refuse, before the target loads (the CLI calls it first too), a run that could only fail or write an
+    untrained head: resuming without a whole checkpoint, starting afresh over one, or too short a budget."""
+    ckpt = output / CHECKPOINT_DIR
+    if resume:
+        if not all((ckpt / name).is_file() for name in ("state.json", "state.safetensors", "record.safetensors")):
+            raise FileNotFoundError(f"nothing to resume: {ckpt} holds no complete training checkpoint")
+    elif ckpt.exists():
+        raise FileExistsError(f"{output} already holds a training checkpoint; pass --resume (resume=True) to "
+                              "continue it, or choose a new directory")
+    elif minutes < MIN_MINUTES:
+        raise ValueError(f"minutes (--minutes) {minutes:g} is too short to record the target and train a head: "
+                         f"give at least {MIN_MINUTES:g}")
 
 
 def _read_state(ckpt: Path, fingerprint: str) -> dict:
-    check_resumable(ckpt)
     path = ckpt / "state.json"
     try:
         state = json.loads(path.read_text())

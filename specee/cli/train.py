@@ -66,7 +66,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     draft = args.draft if args.draft is not None else default_draft(model_dir)
     if draft is None:
         raise CLIError("calibrate needs a drafter: pass --draft DIR (a draft model) or --draft ngram")
-    if draft != "ngram":
+    if draft == "ngram":
+        if args.draft_vocab:  # refused by the n-gram drafter only after the target had loaded
+            raise CLIError(f"--draft-vocab {args.draft_vocab}: the shortlist restricts a draft model's LM head; "
+                           "--draft ngram scores no vocabulary")
+    else:
         check_draft_tokenizers(Tokenizer(model_dir), model_dir, [str(draft)])
         if args.draft_vocab:  # past the draft's vocabulary: found after both models had loaded
             vocab = model_config(resolve_model(str(draft), what="draft model")).vocab_size
@@ -117,7 +121,7 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="HEAD_DIR", type=output_dir, required=True,
                    help="directory to write the head to")
     p.add_argument("--minutes", type=positive_float, default=5.0, metavar="M",
-                   help="time budget for recording and training (default: 5)")
+                   help="time budget for recording and training (default: 5; at least 1, except with --resume)")
     p.add_argument("--feature-layers", type=layer_list, default=None, metavar="I,J,K",
                    help="target layers whose outputs the head reads (default: the last, EAGLE-1; three "
                         "layers, low/middle/high, fuse them as EAGLE-3 does)")
@@ -132,18 +136,21 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from ..calibration.train_draft import CHECKPOINT_DIR, check_resumable, train_draft
+    from ..calibration.prompts import calibration_data
+    from ..calibration.train_draft import check_run, train_draft
     from ..drafters.eagle_head import EagleHeadConfig
     from ..model.llama import model_config
 
     if args.dtype not in ("auto", "float32"):
         raise CLIError("train-draft trains in float32; leave --dtype out")
     args.dtype = "float32"
-    if args.resume:  # --resume and --feature-layers: both were found after the target had loaded
-        try:
-            check_resumable(args.output / CHECKPOINT_DIR)
-        except FileNotFoundError as e:
-            raise CLIError(f"--resume: {e}") from None
+    try:  # each of these, and a bad --feature-layers below, was found only after the target had loaded
+        check_run(args.output, args.minutes, args.resume)
+    except FileNotFoundError as e:
+        raise CLIError(f"--resume: {e}") from None
+    except FileExistsError as e:
+        raise CLIError(f"-o {e}") from None
+    args.data = calibration_data(args.data)  # a missing ../shared: found only after the target had loaded
     if args.feature_layers is not None:
         cfg = model_config(resolve_model_dir(args.model, args.revision))
         try:

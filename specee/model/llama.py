@@ -217,6 +217,20 @@ class Transformer:
                 tensors += lin.tensors()
         return tensors
 
+    def weight_formats(self) -> str:
+        """What the layers' linears hold, as a user reads it ("int4", "Q4_K + Q6_K", "float32"): the note a
+        command prints names this, not the quantization it asked for ("auto" says nothing)."""
+        names = set()
+        for w in self.layers:
+            for lin in (w.qkv, w.o, w.gate_up, w.down):  # (kv: qkv's rows)
+                if isinstance(lin, FloatLinear):
+                    names.add(str(lin.weight.dtype).removeprefix("torch."))
+                elif hasattr(lin, "parts"):  # GGUF blocks as stored (quant_gguf.KQuantLinear)
+                    names.update(p.qtype.name for p in lin.parts)
+                else:
+                    names.add(type(lin).__name__.removesuffix("Linear").lower())
+        return " + ".join(sorted(names))
+
     def weight_bytes(self) -> int:
         """Bytes of resident weights, each storage counted once (a float tied head is the embedding)."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.resident_tensors()}

@@ -7,6 +7,7 @@ file, a directory holding exactly one `.gguf`, or a Hugging Face hub id (`org/na
 """
 from __future__ import annotations
 
+import glob
 import re
 from pathlib import Path
 
@@ -44,17 +45,18 @@ def local_model(path: str | Path, what: str = "model") -> Path:
 def hub_snapshot(model_id: str, revision: str | None = None) -> Path:
     """The local snapshot (or file, for `org/name/file.gguf`) of a hub model, downloaded if the hub is reachable."""
     try:
-        from huggingface_hub import hf_hub_download, snapshot_download
+        from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
     except ImportError:
         raise FileNotFoundError(f"model directory not found: {model_id} (and huggingface_hub, which resolves "
                                 "hub ids, is not installed)") from None
     parts = model_id.split("/")
     repo_id, filename = "/".join(parts[:2]), (parts[2] if len(parts) == 3 else None)
+    # one file is fetched as a one-file snapshot too: hf_hub_download retries a hub it cannot reach for ~25 s
+    patterns = [glob.escape(filename)] if filename else _HUB_FILES + ["*.gguf"]
     try:
-        if filename is not None:
-            return Path(hf_hub_download(repo_id, filename, revision=revision))
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_FILES + ["*.gguf"]))
+        snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        return snapshot / filename if filename else snapshot
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError, ValueError) as e:
         detail = " ".join(str(e).split())[:300]
         at = f" at revision {revision!r}" if revision else ""
@@ -69,4 +71,7 @@ def resolve_model(model: str | Path, revision: str | None = None, what: str = "m
     path = Path(model).expanduser()
     if not path.exists() and _HUB_ID.match(str(model)) and not str(model).startswith("."):
         return local_model(hub_snapshot(str(model), revision), what)
+    if revision is not None:  # it was ignored: the local files loaded, whatever revision was asked for
+        raise ValueError(f"revision (--revision) {revision!r} applies to Hugging Face hub ids only, not to the "
+                         f"local path {path}")
     return local_model(path, what)
