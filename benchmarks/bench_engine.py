@@ -92,6 +92,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--llama-cpp", action="store_true",
                     help="llama.cpp's batched decoding of the same .gguf --model as one more mode (llama-cpp-python)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep prompts' rows between requests (off: the rounds repeat the prompts, which would then "
+                         "skip most of their prefill)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.llama_cpp and not args.model.endswith(".gguf"):
@@ -101,6 +104,8 @@ def main() -> None:
     prompts = holdout_prompts(args.prompts)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     extra = {"threads": args.threads} if args.threads and "threads" in inspect.signature(LLM).parameters else {}
+    if "enable_prefix_caching" in inspect.signature(LLM).parameters:  # each round's prompts prefill in full,
+        extra["enable_prefix_caching"] = args.prefix_caching           # as on commits before the cache
     llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization, **extra)
     modes = [("full depth", None)] + [(json.dumps(c, sort_keys=True), c) for c in args.speculative_config]
     modes += [("early exit " + json.dumps(c, sort_keys=True), EarlyExitConfig(**c)) for c in args.early_exit]

@@ -49,7 +49,7 @@ def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
     candidates = default_model_candidates()
     for path in candidates:
         if path.is_dir():
-            return resolve_model(path.resolve())
+            return resolve_model(path.resolve(), revision)  # a --revision of the local default: refused
     looked = ", ".join(str(p) for p in dict.fromkeys(candidates))
     raise CLIError(f"no --model given and the default model {DEFAULT_MODEL} was not found (looked in {looked}); "
                    "pass --model PATH (a checkpoint directory or .gguf file) or a Hugging Face hub id")
@@ -85,6 +85,9 @@ def add_model_args(parser: argparse.ArgumentParser, runtime: bool = True, fastes
         g.add_argument("--swap-space", type=swap_space_arg, default=DEFAULT_SWAP_SPACE, metavar="GiB",
                        help="host memory for requests parked out of a full KV cache; one whose parking would pass "
                             f"it ends with an error (default: {DEFAULT_SWAP_SPACE:g}, as vLLM's)")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="a prompt that starts as an earlier one did prefills only the rest (a chat's next turn "
+                            "does not prefill the conversation again); the same tokens (default: on, as vLLM's)")
         g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="what the KV cache stores (default: auto = float16 where specee's AVX-512 or AVX2 attention "
                             "reads it, as llama.cpp: half the memory and bytes read; else the compute dtype)")
@@ -381,11 +384,12 @@ def load_llm(args: argparse.Namespace):
                   speculative_config=speculative, threads=args.threads,
                   kv_cache_memory=getattr(args, "kv_cache_memory", None),
                   swap_space=getattr(args, "swap_space", DEFAULT_SWAP_SPACE),
+                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **scheduling(args))
     except QuantizationError as e:
         raise CLIError(f"--quantization {quantization}: {e}; --quantization none runs float weights") from None
     if args.quantization:
-        note(f"{quantization or 'float'} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
+        note(f"{llm.model.weight_formats()} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
     llm.calibrate()  # early exit's bank, once per model + drafter, with its progress bars
     if llm.early_exit is not None and (warning := exit_room_note(llm.early_exit.bank.summary)):
         note(warning)

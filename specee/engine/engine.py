@@ -34,11 +34,13 @@ class Engine:
     def __init__(self, model: Transformer, decoding: FullDepth | None = None, kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, kv: KVCacheManager | None = None,
-                 swap_space: float = DEFAULT_SWAP_SPACE):
+                 swap_space: float = DEFAULT_SWAP_SPACE, enable_prefix_caching: bool = True):
         """max_num_batched_tokens: rows a step runs (a step with prompt parts may pass it by one part);
         prefill_chunk: the prompt tokens a step prefills of one request (0: whole prompts); kv: an earlier
         engine's pool, taken over where it fits (KVCacheManager.reusing); swap_space: GiB of host memory
-        for requests parked out of a full pool (scheduler.py)."""
+        for requests parked out of a full pool (scheduler.py); enable_prefix_caching: prompts start from
+        earlier prompts' cached rows (kv_manager.py), except where the decoding reads the prompt's
+        features (EAGLE), which cached rows do not have."""
         check_scheduling(max_num_seqs, max_num_batched_tokens, prefill_chunk)
         swap_bytes = swap_space_bytes(swap_space)
         self.model = model
@@ -48,7 +50,8 @@ class Engine:
                                                          self.decoding.extra_rows))
         self.runner = ModelRunner(model, DecodeGraphs(model, self.kv) if model.device.type == "cuda" else None)
         self.scheduler = Scheduler(self.kv, model.cfg.context_limit, self.decoding.extra_rows, max_num_seqs,
-                                   max_num_batched_tokens, prefill_chunk, self.decoding.prefill_length, swap_bytes)
+                                   max_num_batched_tokens, prefill_chunk, self.decoding.prefill_length, swap_bytes,
+                                   enable_prefix_caching and not self.decoding.feature_layers)
 
     def check(self, seq: Sequence) -> None:
         """Raise ValueError if the request can never run (empty, longer than the context or the cache)."""
@@ -106,7 +109,7 @@ class Engine:
         if r.prefilled:
             return [self.decoding.plan(r)]
         start, end = self.scheduler.part(r)
-        if start == 0:
+        if not r.prefill_since:  # its first part (after any cached prompt rows)
             r.prefill_since = t0
         prefill = [Segment(torch.tensor(r.seq.prompt_ids[start:end], device=self.model.device), r.cache,
                            self.model.range_inputs(start, end - start, prompt=True))] if end > start else []

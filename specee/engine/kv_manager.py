@@ -9,6 +9,14 @@ skipped lives in the pool beside the K/V. When a run cannot grow, the scheduler 
 (`park`: its run's contents move out of the pool, exactly, vLLM's swap) and brings it back later
 (`restore`), so its tokens do not change.
 
+Prefix caching (vLLM's automatic prefix caching, llama.cpp's prompt cache): a finished request's
+whole blocks of prompt rows stay in the pool as a cached prompt (`keep`), and a later request whose
+prompt starts with the same tokens has them copied into its run (`match`, `allocate(prefix=...)`)
+and prefills only the rest: a chat's next turn does not prefill the conversation again. Only
+prompt rows are kept (a prefill's arithmetic, which a later prefill's rows continue exactly as a
+chunked prefill's next part would; generated rows came from decode steps). Cached prompts are the
+first to go when blocks are wanted, least recently used first.
+
 Why consecutive blocks rather than vLLM's scattered blocks with a block table: a request's cache
 is then a strided view of the pool, which attention on the CPU reads in place (scaled dot-product
 attention and the C++ layer take the view; a block table would need a gather, or a paged attention
@@ -20,6 +28,8 @@ from __future__ import annotations
 import bisect
 import math
 import re
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -77,6 +87,29 @@ def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtyp
     return tokens
 
 
+def block_hashes(tokens: list[int]) -> list[int]:
+    """A key for each whole block of `tokens` with all the blocks before it (vLLM's prefix-cache keys): a
+    prompt's cached rows are found by its keys, whatever the number of prompts cached."""
+    keys, key = [], 0
+    for i in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        key = hash((key, *tokens[i : i + BLOCK_SIZE]))
+        keys.append(key)
+    return keys
+
+
+@dataclass(eq=False)
+class CachedPrompt:
+    """A finished request's whole blocks of prompt rows, kept in the pool for a later prompt that starts alike."""
+
+    tokens: list[int]  # the prompt tokens whose K/V its blocks hold (len: whole blocks)
+    keys: list[int]  # block_hashes(tokens)
+    first: int  # its run's first block
+
+    @property
+    def blocks(self) -> int:
+        return len(self.keys)
+
+
 class KVCacheManager:
     """A pool of `num_blocks` blocks of BLOCK_SIZE slots for every layer; `allocate` hands out runs
     of consecutive blocks as one-row KVCache views, `free` takes them back (first fit, merged)."""
@@ -103,6 +136,8 @@ class KVCacheManager:
         self.slot_ids = torch.arange(slots, device=device)
         self.free_runs: list[tuple[int, int]] = [(0, self.num_blocks)]  # (first block, blocks), by first block
         self.owned: dict[str, tuple[int, int]] = {}  # request id -> its run
+        self.prompts: OrderedDict[CachedPrompt, None] = OrderedDict()  # cached prompts, least recently used first
+        self.prompt_keys: dict[int, CachedPrompt] = {}  # a block key -> a cached prompt holding that block
 
     @classmethod
     def reusing(cls, previous: KVCacheManager | None, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -113,6 +148,7 @@ class KVCacheManager:
         that switched modes (a new engine) paid that again after every switch."""
         if (previous is not None and not previous.owned and previous.k.dtype == dtype and previous.k.device == device
                 and previous.k.shape == cls.pool_shape(cfg, max_tokens)):
+            previous.drop_prompts()  # a new engine starts without the last one's cached prompts
             return previous
         return cls(cfg, device, dtype, max_tokens)
 
@@ -128,27 +164,74 @@ class KVCacheManager:
 
     @property
     def free_blocks(self) -> int:
-        return sum(n for _, n in self.free_runs)
+        """Blocks a request may take: free ones and those of cached prompts (given up first)."""
+        return sum(n for _, n in self.free_runs) + sum(p.blocks for p in self.prompts)
 
     @staticmethod
     def blocks_for(tokens: int) -> int:
         return -(-tokens // BLOCK_SIZE)
 
-    def allocate(self, owner: str, tokens: int) -> KVCache | None:
+    def allocate(self, owner: str, tokens: int, prefix: tuple[CachedPrompt, int] | None = None) -> KVCache | None:
         """A cache of at least `tokens` slots for request `owner`, or None while no run of free
-        blocks is long enough (the request waits)."""
+        blocks is long enough (the request waits). prefix: a cached prompt and how many of its first
+        blocks to copy in (`match`), kept while room is made."""
         need = self.blocks_for(tokens)
-        first = self._take(need)
+        cached, blocks = prefix or (None, 0)
+        first = self._take(need, keep=cached)
         if first is None:
             return None
         self.owned[owner] = (first, need)
-        self._clear(first, need)
+        self._clear(first + blocks, need - blocks)
+        if blocks:
+            self._move(cached.first, blocks, first)
         return self.view(first * BLOCK_SIZE, (first + need) * BLOCK_SIZE)
+
+    def match(self, tokens: list[int], keys: list[int], limit: int) -> tuple[CachedPrompt, int] | None:
+        """The cached prompt sharing the most whole blocks with `tokens` (`keys`: their block_hashes), no more
+        than `limit` tokens, and how many blocks it shares (it becomes the most recently used); None if none
+        shares a block."""
+        found, n = None, 0
+        for key in keys[: max(limit, 0) // BLOCK_SIZE]:
+            if (p := self.prompt_keys.get(key)) is None:
+                break
+            found, n = p, n + 1
+        if found is None or found.tokens[: n * BLOCK_SIZE] != tokens[: n * BLOCK_SIZE]:  # (a hash collision)
+            return None
+        self.prompts.move_to_end(found)
+        return found, n
+
+    def keep(self, owner: str, tokens: list[int], keys: list[int]) -> None:
+        """Free `owner`'s run but keep its first whole blocks, which hold the K/V of `tokens` (prompt rows
+        a prefill wrote; `keys`: their block_hashes), as a cached prompt; not where one holds them all."""
+        run = self.owned.pop(owner, None)
+        if run is None:
+            return
+        first, held = run
+        blocks = min(held, len(tokens) // BLOCK_SIZE, len(keys))
+        if blocks and keys[blocks - 1] not in self.prompt_keys:
+            p = CachedPrompt(tokens[: blocks * BLOCK_SIZE], keys[:blocks], first)
+            self.prompts[p] = None
+            self.prompt_keys.update(dict.fromkeys(p.keys, p))
+            first, held = first + blocks, held - blocks
+        if held:
+            self._release((first, held))
+
+    def drop_prompts(self) -> None:
+        """Give every cached prompt's blocks back."""
+        while self._evict():
+            pass
 
     def grow(self, owner: str, cache: KVCache, tokens: int) -> bool:
         """Give `owner`'s cache at least `tokens` slots: its run extended where the blocks after it
         are free, else moved (its own rows copied) to a free run that long, or to one its run makes
-        with the free runs either side; False if none fits (it stays as it was)."""
+        with the free runs either side, cached prompts given up as needed; False if none fits (it
+        stays as it was)."""
+        while not self._grow(owner, cache, tokens):
+            if not self._evict():
+                return False
+        return True
+
+    def _grow(self, owner: str, cache: KVCache, tokens: int) -> bool:
         first, held = self.owned[owner]
         need = self.blocks_for(tokens)
         if need <= held:
@@ -163,13 +246,13 @@ class KVCacheManager:
             self._clear(first + held, need - held)
             to = first
         else:
-            to = self._take(need)
+            to = self._first_fit(need)
             if to is None:  # none elsewhere: perhaps its own run with the free runs either side of it
                 beside = sum(n for at, n in self.free_runs if at + n == first or at == first + held)
                 if held + beside < need:
                     return False
                 self._release((first, held))
-                to = self._take(need)
+                to = self._first_fit(need)
                 self._move(first, held, to)
             else:
                 self._move(first, held, to)
@@ -222,7 +305,25 @@ class KVCacheManager:
         if run is not None:
             self._release(run)
 
-    def _take(self, need: int) -> int | None:
+    def _take(self, need: int, keep: CachedPrompt | None = None) -> int | None:
+        """The first block of a run of `need` free blocks, giving up cached prompts (least recently used
+        first, never `keep`) until one is that long."""
+        while (first := self._first_fit(need)) is None and self._evict(keep):
+            pass
+        return first
+
+    def _evict(self, keep: CachedPrompt | None = None) -> bool:
+        """Give the least recently used cached prompt (not `keep`) back to the free runs; False if none."""
+        p = next((p for p in self.prompts if p is not keep), None)
+        if p is None:
+            return False
+        del self.prompts[p]
+        self._release((p.first, p.blocks))
+        if any(self.prompt_keys.get(key) is p for key in p.keys):  # its keys go to others that hold their blocks
+            self.prompt_keys = {key: q for q in self.prompts for key in q.keys}
+        return True
+
+    def _first_fit(self, need: int) -> int | None:
         """The first block of a run of `need` free blocks, taken from the first free run that long."""
         for i, (first, n) in enumerate(self.free_runs):
             if n >= need:

@@ -63,7 +63,9 @@ class LLM:
     max_num_batched_tokens, prefill_chunk: the engine's scheduling (engine/scheduling.py; prefill_chunk:
     a longer prompt prefills this many tokens a step, so running requests keep decoding; 0: whole).
     swap_space: GiB of host memory for requests parked out of a full KV cache (vLLM's; one whose
-    parking would pass it ends with an error).
+    parking would pass it ends with an error). enable_prefix_caching: a prompt that starts as an earlier
+    one did starts its prefill after that one's cached rows (vLLM's automatic prefix caching; the same
+    tokens, as a chunked prefill gives).
     """
 
     @collector_paused
@@ -73,7 +75,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  threads: int | None = None, kv_cache_dtype: str = "auto",
                  max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 swap_space: float = DEFAULT_SWAP_SPACE):
+                 swap_space: float = DEFAULT_SWAP_SPACE, enable_prefix_caching: bool = True):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a path or a Hugging Face hub id (str or Path), got {model!r}")
         if isinstance(early_exit, dict):  # as speculative_config is given
@@ -91,6 +93,8 @@ class LLM:
         check_early_exit(early_exit)
         check_kv_budget(kv_cache_memory)
         swap_space_bytes(swap_space)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         check_kv_cache_dtype(kv_cache_dtype)
         self.model_dir = resolve_model(model, revision)  # a checkpoint directory or a .gguf file
         if drafts := named_drafts(early_exit, speculative_config):
@@ -110,6 +114,7 @@ class LLM:
         self._streams = threading.local()  # .output: this thread's last stream's RequestOutput (last_output)
         self._calibrating = threading.Lock()  # two threads' first requests calibrate once
         self.kv_cache_memory, self.swap_space = kv_cache_memory, swap_space
+        self.enable_prefix_caching = enable_prefix_caching
         self.scheduling = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                            "prefill_chunk": prefill_chunk}
         self._early_exit: EarlyExitDecoding | None = None
@@ -180,7 +185,8 @@ class LLM:
         last engine's KV pool where it fits: its pages are in already)."""
         last = getattr(self, "engine", None)
         self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory,
-                             kv=last.kv if last is not None else None, swap_space=self.swap_space, **self.scheduling)
+                             kv=last.kv if last is not None else None, swap_space=self.swap_space,
+                             enable_prefix_caching=self.enable_prefix_caching, **self.scheduling)
         if getattr(self, "_worker", None) is not None:
             self._worker.swap_engine(self.engine)  # refused, under the worker's lock, if a request came meanwhile
 

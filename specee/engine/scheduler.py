@@ -12,6 +12,10 @@ so memory shapes only when a request's tokens come, never which (vLLM's preempti
 Parked rows take host memory up to `swap_space` bytes; a request whose parking would pass it ends
 with finish_reason "error" instead (vLLM's answer when its swap space runs out).
 
+Prefix caching: a finished request's prompt rows stay in the pool (kv_manager.py), and a newcomer whose
+prompt starts with the same whole blocks starts its prefill after them, leaving at least
+MIN_PROMPT_PART rows to prefill, as a chunked prefill's next part would (the same arithmetic).
+
 Chunked prefill: a prompt longer than `prefill_chunk` tokens is prefilled a part at a time, one part
 a step, so that a long prompt does not stop everyone else's decoding for the whole of its prefill.
 The parts depend on the prompt alone (scheduling.py's `prompt_part_end`), never on what shares the
@@ -30,8 +34,8 @@ from typing import Any
 import torch
 
 from ..model.kv_cache import ContextLengthError, KVCache
-from .kv_manager import KVCacheManager
-from .scheduling import prompt_part_end
+from .kv_manager import BLOCK_SIZE, KVCacheManager, block_hashes
+from .scheduling import MIN_PROMPT_PART, prompt_part_end
 from .sequence import Sequence
 
 FIRST_ROOM = 256  # new tokens a request's first run holds; more as it decodes (a requested max_tokens is a bound, not a reservation)
@@ -82,12 +86,14 @@ class Running:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, context_limit: int, extra_rows: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_chunk: int, prefill_length: Callable[[Sequence], int],
-                 swap_space: int):
+                 swap_space: int, prefix_caching: bool):
         """prefill_length: how many prompt tokens a request's prefill runs (its decoding's rule); swap_space:
-        bytes of host memory parked requests may take."""
+        bytes of host memory parked requests may take; prefix_caching: whether prompts start from cached rows."""
         self.kv, self.context_limit, self.extra_rows, self.swap_space = kv, context_limit, extra_rows, swap_space
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.prefill_chunk, self.prefill_length = prefill_chunk, prefill_length
+        self.prefix_caching = prefix_caching
+        self.prompt_keys: dict[str, list[int]] = {}  # request id -> its prompt's block_hashes (prefix caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Running] = []
         self.parked: list[Running] = []  # out of the pool until blocks come free, oldest admitted first
@@ -112,6 +118,8 @@ class Scheduler:
         error (returned by `retire`): the cache's blocks and the engine thread's handles go by request id."""
         if runnable(seq, self.check, self.failed) and runnable(seq, self._new_id, self.failed):
             self.waiting.append(seq)
+            if self.prefix_caching:  # once, not at each step it waits
+                self.prompt_keys[seq.request_id] = block_hashes(seq.prompt_ids[: self.prefill_length(seq)])
 
     def _new_id(self, seq: Sequence) -> None:
         rid = seq.request_id
@@ -147,16 +155,24 @@ class Scheduler:
             batch.append(r)
         while self.waiting and not self.parked and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            rows = prompt_part_end(0, self.prefill_length(seq), self.prefill_chunk)
+            n = self.prefill_length(seq)
+            keys = self.prompt_keys.get(seq.request_id)
+            prefix = self.kv.match(seq.prompt_ids, keys, n - MIN_PROMPT_PART) if keys else None
+            start = prefix[1] * BLOCK_SIZE if prefix else 0
+            rows = prompt_part_end(start, n, self.prefill_chunk) - start
             if prefills and rows > budget:  # at least one prompt part runs a step
                 break
-            cache = self.kv.allocate(seq.request_id, self.slots(seq, FIRST_ROOM))
+            cache = self.kv.allocate(seq.request_id, self.slots(seq, FIRST_ROOM), prefix)
+            if cache is None and prefix is not None:  # perhaps room only without the cached prompt
+                start, prefix = 0, None
+                cache = self.kv.allocate(seq.request_id, self.slots(seq, FIRST_ROOM))
             if cache is None:  # waits for blocks to come free (first come, first served)
                 break
             self.waiting.popleft()
             budget, prefills = budget - rows, prefills + 1
-            seq.stats.scheduled_time = time.monotonic()
-            r = Running(seq, cache, seq.params.make_generator(cache.k.device), admitted=self.admissions)
+            seq.stats.scheduled_time, seq.stats.cached_tokens = time.monotonic(), start
+            r = Running(seq, cache, seq.params.make_generator(cache.k.device), prefill_done=start,
+                        admitted=self.admissions)
             self.admissions += 1
             self.running.append(r)
             batch.append(r)
@@ -219,8 +235,16 @@ class Scheduler:
         if done:
             self.running = [r for r in self.running if not r.seq.finished]
             for r in done:
-                self.kv.free(r.seq.request_id)
+                self._free(r)
         return failed, done
+
+    def _free(self, r: Running) -> None:
+        """Give a request's blocks back; with prefix caching its prompt rows stay as a cached prompt."""
+        keys = self.prompt_keys.pop(r.seq.request_id, None)
+        if keys and r.seq.finish_reason != "error":
+            self.kv.keep(r.seq.request_id, r.seq.prompt_ids[: r.prefill_done], keys)
+        else:
+            self.kv.free(r.seq.request_id)
 
     def abort(self, seq: Sequence) -> Running | None:
         """Take `seq` out, waiting or running (it finishes as "abort"; its blocks come free now).
@@ -230,8 +254,10 @@ class Scheduler:
             self.running = [r for r in self.running if r is not running]
             self.parked = [r for r in self.parked if r is not running]
             running.parked = None
-            self.kv.free(seq.request_id)
+            seq.abort()
+            self._free(running)
         else:  # by identity: two requests with the same prompt and parameters compare equal
             self.waiting = deque(s for s in self.waiting if s is not seq)
+            self.prompt_keys.pop(seq.request_id, None)
         seq.abort()
         return running

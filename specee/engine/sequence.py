@@ -14,6 +14,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 @dataclass
 class RequestStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not this request's prefill
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -62,6 +63,8 @@ class RequestStats:
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
             "threads": self.threads,
         }
+        if self.cached_tokens:
+            d["cached_tokens"] = self.cached_tokens
         if self.thread_probe_ms:
             d["thread_probe_ms"] = {n: round(ms, 3) for n, ms in self.thread_probe_ms.items()}
         if self.early_exit is not None:

@@ -166,7 +166,9 @@ class Shape:
 def usage(seqs: list[Sequence], outputs: list[RequestOutput], n: int) -> dict[str, int]:
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])  # a prompt counts once for its n choices
     completion = sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(s.stats.cached_tokens for s in seqs[::n])  # prompt tokens the prefix cache held (OpenAI's field)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(data: Any) -> str:

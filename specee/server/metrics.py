@@ -30,6 +30,10 @@ class Metrics:
         self.swapped.labels(model_name).set_function(parked)
         self.prompt_tokens = Counter("specee:prompt_tokens", "Prefill tokens processed", **label)
         self.generation_tokens = Counter("specee:generation_tokens", "Generated tokens", **label)
+        self.prefix_queries = Counter("specee:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      **label)
+        self.prefix_hits = Counter("specee:prefix_cache_hits", "Prompt tokens the prefix cache held (not prefilled)",
+                                   **label)
         self.success = Counter("specee:request_success", "Finished requests, by finish reason",
                                labelnames=["model_name", "finished_reason"], registry=r)
         self.ttft = Histogram("specee:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
@@ -49,7 +53,7 @@ class Metrics:
         buckets = tuple(range(1, num_layers + 1)) or (1.0,)
         self.exit_layer = Histogram("specee:early_exit_layer", "Layers run per early-exit decode step",
                                     buckets=buckets, **label)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue,
+        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e, self.queue,
                        self.drafts, self.draft_tokens, self.accepted, self.exit_layer):
             metric.labels(model_name)  # every series shows from the start, at zero
 
@@ -66,6 +70,8 @@ class Metrics:
         self.success.labels(m, out.finish_reason).inc()
         if st.scheduled_time is not None:  # its prefill ran (not one refused or aborted while it waited)
             self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+            self.prefix_queries.labels(m).inc(len(out.prompt_token_ids))
+            self.prefix_hits.labels(m).inc(st.cached_tokens)
         self.generation_tokens.labels(m).inc(len(out.token_ids))
         if st.time_to_first_token is not None:
             self.ttft.labels(m).observe(st.time_to_first_token)
