@@ -179,3 +179,61 @@ def test_a_bad_swap_space_is_refused_before_loading(gib, tmp_path):
 
     with pytest.raises(ValueError, match=r"swap_space \(--swap-space\)"):
         LLM(tmp_path / "no-model", swap_space=gib)
+
+
+def test_an_early_exit_draft_models_cache_grows_as_the_request_decodes(mode_llms, tmp_path, monkeypatch):
+    """It was sized for max_tokens at the start, outside the pool (a server's requests without max_tokens:
+    a whole context each); now for the target's first run (it doubles as it fills), with the same tokens."""
+    import torch
+    from ee_helpers import decoder
+
+    from specee.drafters import DraftModelDrafter
+    from specee.engine import early_exit
+
+    monkeypatch.setattr(early_exit, "FIRST_ROOM", 8)
+    llm = mode_llms["full"]
+    drafter = DraftModelDrafter(make_checkpoint(tmp_path / "d", DRAFT, seed=2), llm.tokenizer, k=4, device="cpu",
+                                dtype=torch.float32)
+    dec = decoder(llm, drafter, max_pending=3)
+    engine = Engine(llm.model, dec)
+    seq = sequence(llm, PROMPTS[1], SamplingParams(ignore_eos=True, max_tokens=40))
+    engine.add_request(seq)
+    engine.step()
+    prompt, cache = len(seq.prompt_ids), engine.scheduler.running[0].state.drafter
+    first = cache._cache.max_len
+    while engine.has_unfinished():
+        engine.step()
+    assert first == prompt + 8 and cache._n <= cache._cache.max_len
+    assert seq.output_ids == solo(llm, seq)[0]  # never exiting (its bank): full depth's tokens
+
+
+def test_a_run_that_cannot_grow_moves_the_next_run_aside_rather_than_parking():
+    """A [0,2) needs a third block; N [2,4), the newest, follows it; [4,6) is free; W holds [6,8). Parking N
+    let A grow, and N came straight back into [4,6) in the same schedule(): its rows went to host memory
+    and back. Now N moves to [4,6) in the pool and nobody is parked."""
+    from specee.engine.scheduler import Running, Scheduler
+
+    kv = pool(8)
+    s = Scheduler(kv, 4096, 0, 64, 2048, 0, lambda q: len(q.prompt_ids), swap_space=1 << 30, prefix_caching=False)
+
+    def running(name: str, admitted: int, length: int) -> Running:
+        seq = SimpleNamespace(prompt_ids=[1] * 8, params=SamplingParams(max_tokens=100), output_ids=[0] * (length - 8),
+                              request_id=name, finished=False)
+        cache = kv.allocate(name, 2 * BLOCK_SIZE)
+        cache.length = length
+        cache.k[:] = admitted + 1
+        r = Running(seq, cache, None, prefilled=True, admitted=admitted)
+        s.running.append(r)
+        return r
+
+    a, gone, n, w = (running("A", 0, 2 * BLOCK_SIZE - 1), running("Y", 1, 10), running("N", 2, 10),
+                     running("W", 3, 10))
+    s.running.remove(gone)
+    kv.free("Y")
+    kv.free("N")
+    s.running.remove(n)
+    n = running("N", 4, 10)  # now [2,4), after A's run; [4,6) free
+    assert kv.owned["N"] == (2, 2) and kv.free_runs == [(4, 2)]
+    assert s.schedule() == [a, w, n] and not s.parked
+    assert kv.owned["A"][0] == 0 and kv.owned["A"][1] >= 3 and kv.owned["N"] == (4, 2)
+    assert (n.cache.k == 5).all() and (a.cache.k[:, :, :, : 2 * BLOCK_SIZE] == 1).all()

@@ -40,7 +40,7 @@ from ..speculative.speculative import SpecStats
 from ..speculative.verify import verify_chain
 from .decoding import FullDepth
 from .runner import Segment
-from .scheduler import Running
+from .scheduler import FIRST_ROOM, Running
 from .sequence import Sequence
 from .teacher import TeacherForcedStep, TeacherForcing
 
@@ -186,7 +186,9 @@ class EarlyExitDecoding(FullDepth):
         c, model = self.config, self.model
         exits, teacher, states = self.overrides.pop(r.seq.request_id, (None, None, None))
         drafter = self.drafter.fork()
-        drafter.reset(r.seq.prompt_ids, r.seq.params.max_tokens)  # sizes a draft model's cache
+        # a draft model's cache: the prompt and the first tokens the target's run holds; it doubles as it fills
+        # (sized for max_tokens, 7 server requests without max_tokens held 2,047 slots each outside the pool)
+        drafter.reset(r.seq.prompt_ids, min(r.seq.params.max_tokens, FIRST_ROOM))
         payoff = ExitPayoff(model.cfg.num_layers, c.check_cost, self.prior)
         scheduler = TwoLevelScheduler(model.cfg.num_layers, self.offline_layers, self.thresholds,
                                       c.online_window, c.online_radius, payoff)

@@ -138,6 +138,7 @@ class KVCacheManager:
         self.owned: dict[str, tuple[int, int]] = {}  # request id -> its run
         self.prompts: OrderedDict[CachedPrompt, None] = OrderedDict()  # cached prompts, least recently used first
         self.prompt_keys: dict[int, CachedPrompt] = {}  # a block key -> a cached prompt holding that block
+        self.releases = 0  # runs given back so far (free or kept): parked requests wait for one to try again
 
     @classmethod
     def reusing(cls, previous: KVCacheManager | None, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -206,6 +207,7 @@ class KVCacheManager:
         run = self.owned.pop(owner, None)
         if run is None:
             return
+        self.releases += 1  # a cached prompt's blocks are there to take too
         first, held = run
         blocks = min(held, len(tokens) // BLOCK_SIZE, len(keys))
         if blocks and keys[blocks - 1] not in self.prompt_keys:
@@ -271,6 +273,19 @@ class KVCacheManager:
         """The slots `park` keeps: the first `written`, rounded up to blocks (later ones hold nothing read)."""
         return min(cache.max_len, self.blocks_for(max(written, 1)) * BLOCK_SIZE)
 
+    def relocate(self, owner: str, cache: KVCache) -> bool:
+        """Move `owner`'s run, with its rows, to free blocks elsewhere, so that the run before it can grow in
+        place (cheaper than parking either); False where no free run is that long."""
+        first, held = self.owned[owner]
+        to = self._take(held)
+        if to is None:
+            return False
+        self._move(first, held, to)
+        self._release((first, held))
+        self.owned[owner] = (to, held)
+        self._rebind(cache, to, held)
+        return True
+
     def park(self, owner: str, cache: KVCache, written: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Move `owner`'s first `written` slots out of the pool, to host memory outside the pool's budget
         (the scheduler's `swap_space`, scheduling.py), and free its run; `restore` puts them back."""
@@ -335,6 +350,7 @@ class KVCacheManager:
         return None
 
     def _release(self, run: tuple[int, int]) -> None:
+        self.releases += 1
         i = bisect.bisect(self.free_runs, run)
         self.free_runs.insert(i, run)
         if i + 1 < len(self.free_runs) and run[0] + run[1] == self.free_runs[i + 1][0]:

@@ -100,6 +100,7 @@ class Scheduler:
         self.admissions = 0
         self.failed: list[Sequence] = []  # ended at add_request; returned by the next step
         self.unparkable: list[Running] = []  # ended with an error where parking would pass swap_space
+        self._tried_at = (-1, 0)  # (kv.releases, running) when parked requests last tried to come back
 
     def check(self, seq: Sequence) -> None:
         """Raise ValueError if the request can never run here."""
@@ -185,6 +186,8 @@ class Scheduler:
         short = [r for r in self.running if r.prefilled and self._need(r) > r.cache.max_len]  # most steps: none
         for r in sorted(short, key=lambda x: x.admitted):
             while r.parked is None and not r.seq.finished and not self.kv.grow(r.seq.request_id, r.cache, self._size(r)):
+                if self._move_next_run(r):
+                    continue
                 newest = max(self.running, key=lambda x: x.admitted)
                 written = max(newest.cache.length, newest.prefill_done)  # a prompt's parts so far, mid-prefill
                 self.running = [x for x in self.running if x is not newest]
@@ -197,6 +200,14 @@ class Scheduler:
                     continue
                 newest.parked = self.kv.park(newest.seq.request_id, newest.cache, written)
                 self.parked = sorted(self.parked + [newest], key=lambda x: x.admitted)
+
+    def _move_next_run(self, r: Running) -> bool:
+        """Move the running request whose run follows `r`'s to free blocks elsewhere, if any are long enough:
+        `r` then grows in place. (Parking the newest instead, then bringing it straight back into those
+        blocks, copied its rows to host memory and back: 38 + 6 ms for 2,048 SmolLM2 slots.)"""
+        first, held = self.kv.owned[r.seq.request_id]
+        after = next((x for x in self.running if self.kv.owned[x.seq.request_id][0] == first + held), None)
+        return after is not None and self.kv.relocate(after.seq.request_id, after.cache)
 
     def _parked_bytes(self) -> int:
         return sum(t.nbytes for r in self.parked for t in r.parked)
@@ -218,6 +229,9 @@ class Scheduler:
     def _bring_back(self) -> None:
         """Parked requests back in the pool, oldest first, each whose run fits while slots are free (one that
         does not fit yet does not hold back the others; newcomers wait until every parked one is back)."""
+        if (self.kv.releases, len(self.running)) == self._tried_at:  # nothing came free since the last try
+            return
+        self._tried_at = self.kv.releases, len(self.running)
         for r in list(self.parked):
             if len(self.running) >= self.max_num_seqs:
                 return
