@@ -237,3 +237,22 @@ def test_a_run_that_cannot_grow_moves_the_next_run_aside_rather_than_parking():
     assert s.schedule() == [a, w, n] and not s.parked
     assert kv.owned["A"][0] == 0 and kv.owned["A"][1] >= 3 and kv.owned["N"] == (4, 2)
     assert (n.cache.k == 5).all() and (a.cache.k[:, :, :, : 2 * BLOCK_SIZE] == 1).all()
+
+
+def test_a_request_that_went_wrong_leaves_zeros_not_its_rows():
+    """Its rows may hold NaN, which a graphed CUDA step reads between its own runs (masked, but 0 x NaN is
+    NaN); a request that finished well leaves its rows (prompt rows may be kept for the prefix cache)."""
+    from specee.engine.scheduler import Running, Scheduler
+
+    kv = pool(4)
+    s = Scheduler(kv, 4096, 0, 64, 2048, 0, lambda q: len(q.prompt_ids), swap_space=0, prefix_caching=False)
+    for name, reason in (("bad", "error"), ("good", "length")):
+        seq = SimpleNamespace(prompt_ids=[1] * 8, request_id=name, finished=True, finish_reason=reason)
+        cache = kv.allocate(name, 2 * BLOCK_SIZE)
+        cache.k.fill_(float("nan"))
+        cache.v.fill_(float("nan"))
+        s.running.append(Running(seq, cache, None, prefilled=True))
+    bad, good = (r.cache for r in s.running)
+    s.retire()
+    assert (bad.k == 0).all() and (bad.v == 0).all() and good.k.isnan().all()
+    assert kv.free_runs == [(0, 4)] and not kv.owned

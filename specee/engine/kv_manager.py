@@ -314,10 +314,14 @@ class KVCacheManager:
         """A one-row cache over the pool's slots [lo, hi) (a request's run; a graphed step's span)."""
         return KVCache.over(*self._slices(lo, hi), self.slot_ids, lo)
 
-    def free(self, owner: str) -> None:
-        """Return `owner`'s run to the pool, merged with free neighbours (a no-op if it has none)."""
+    def free(self, owner: str, zero: bool = False) -> None:
+        """Return `owner`'s run to the pool, merged with free neighbours (a no-op if it has none); zero: clear
+        it first (rows of a request that went wrong may hold NaN, which a graphed CUDA step's span reads
+        between its own runs: masked, but multiplied, and 0 x NaN is NaN)."""
         run = self.owned.pop(owner, None)
         if run is not None:
+            if zero:
+                self._clear(*run)
             self._release(run)
 
     def _take(self, need: int, keep: CachedPrompt | None = None) -> int | None:

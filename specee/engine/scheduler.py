@@ -253,9 +253,12 @@ class Scheduler:
         return failed, done
 
     def _free(self, r: Running) -> None:
-        """Give a request's blocks back; with prefix caching its prompt rows stay as a cached prompt."""
+        """Give a request's blocks back: with prefix caching its prompt rows stay as a cached prompt; those of
+        one that went wrong are zeroed (KVCacheManager.free)."""
         keys = self.prompt_keys.pop(r.seq.request_id, None)
-        if keys and r.seq.finish_reason != "error":
+        if r.seq.finish_reason == "error":
+            self.kv.free(r.seq.request_id, zero=True)
+        elif keys:
             self.kv.keep(r.seq.request_id, r.seq.prompt_ids[: r.prefill_done], keys)
         else:
             self.kv.free(r.seq.request_id)
