@@ -37,7 +37,7 @@ from bench_engine import holdout_prompts
 from specee.bench.report import environment
 from specee.bench.serve import default_requests, plot_serve, run_level, run_serve_bench, serve_markdown
 from specee.bench.tasks import Prompt
-from specee.cli.args import positive_int_list
+from specee.cli.arg_types import positive_int_list
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM_DIR = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct"

@@ -688,7 +688,7 @@ def test_cli_speed_speculative(tmp_path, capsys):
 def test_figures_skipped_without_matplotlib(tmp_path, llm, capsys, monkeypatch):
     """matplotlib is an optional extra: without it a benchmark still runs and writes report.json and
     report.md, and says once on stderr that the figures were skipped and how to install them."""
-    from specee.bench.cli import finish
+    from specee.bench.commands import finish
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
 

@@ -11,8 +11,9 @@ Layout, so that more subcommands and flags slot in without touching the others:
   `SUBCOMMANDS`; `main(argv=None)` parses, dispatches and turns library errors into one line
   `specee: error: ...` with exit status 2.
 
-Modules: `args` (shared flags, `load_llm`), `run` (generate, chat, info), `train` (calibrate,
-train-draft, distill), `serve` (the HTTP server), `tune` (the fastest mode on this machine); `specee bench` lives in `specee/bench/cli.py`.
+Modules: `args` (shared flags, `load_llm`), `arg_types` (the flags' value checks), `run` (generate, chat,
+info), `train` (calibrate, train-draft, distill), `serve` (the HTTP server), `tune` (the fastest mode on this
+machine); `specee bench` lives in `specee/bench/cli.py` (its flags) and `specee/bench/commands.py` (its runs).
 """
 from __future__ import annotations
 

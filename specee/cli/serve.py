@@ -7,8 +7,8 @@ import os
 import socket
 
 from ..engine.scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
-from .args import (CLIError, add_early_exit_args, add_model_args, add_speculative_args, load_llm, port_number,
-                   positive_int, prefill_chunk_arg, resolve_model_dir)
+from .arg_types import port_number, positive_int, prefill_chunk_arg
+from .args import CLIError, add_early_exit_args, add_model_args, add_speculative_args, load_llm, resolve_model_dir
 
 API_KEY_ENV = "SPECEE_API_KEY"
 

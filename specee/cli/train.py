@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from .args import (CLIError, MAX_K, add_model_args, default_draft, existing_path, load_llm, non_negative_int,
-                   positive_float, positive_int, resolve_model_dir, speculative_k)
+from .arg_types import MAX_K, existing_path, non_negative_int, positive_float, positive_int, speculative_k
+from .args import CLIError, add_model_args, default_draft, load_llm, resolve_model_dir
 from .outputs import output_dir, output_file, writable_destination
 
 

@@ -5,7 +5,8 @@ import argparse
 import datetime as dt
 from pathlib import Path
 
-from .args import CLIError, MAX_K, add_model_args, load_llm, note, positive_int, resolve_model_dir
+from .arg_types import MAX_K, positive_int
+from .args import CLIError, add_model_args, load_llm, note, resolve_model_dir
 
 
 def lengths_arg(value: str) -> tuple[int, ...]:

@@ -78,7 +78,7 @@ def check_early_exit(config: EarlyExitConfig | None) -> None:
         raise ValueError("early_exit needs a drafter: EarlyExitConfig(draft=<a draft model> or 'ngram')")
     if config.bank is not None and not Path(config.bank).expanduser().is_dir():
         raise ValueError(f"early_exit: bank {config.bank!r} is not a directory (a bank from `specee calibrate`)")
-    if config.bank is not None:  # its files too, as the CLI's --bank (cli/args.py's bank_dir)
+    if config.bank is not None:  # its files too, as the CLI's --bank (cli/arg_types.py's bank_dir)
         from ..exit.bank import PredictorBank
 
         PredictorBank.check_files(Path(config.bank).expanduser())
