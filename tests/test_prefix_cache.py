@@ -14,7 +14,8 @@ from engine_helpers import DRAFT, MODES, PROMPTS, SMALL, mode_llms_for, sequence
 
 from specee import LLM, SamplingParams
 from specee.engine.engine import Engine
-from specee.engine.kv_manager import BLOCK_SIZE, KVCacheManager, block_hashes
+from specee.engine.kv_manager import BLOCK_SIZE, KVCacheManager
+from specee.engine.prefix_cache import block_hashes
 from specee.engine.scheduling import MIN_PROMPT_PART
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -86,7 +87,7 @@ def keep(kv: KVCacheManager, owner: str, tokens: list[int]) -> None:
 
 
 def match(kv: KVCacheManager, tokens: list[int], limit: int = 1000):
-    return kv.match(tokens, block_hashes(tokens), limit)
+    return kv.prefixes.match(tokens, block_hashes(tokens), limit)
 
 
 def test_kept_prompt_blocks_are_copied_in_exactly_and_given_up_least_recently_used_first():
@@ -94,7 +95,7 @@ def test_kept_prompt_blocks_are_copied_in_exactly_and_given_up_least_recently_us
     a = list(range(40))  # 2 whole blocks and 8 tokens
     written(kv, "a", 48, 1.0)
     keep(kv, "a", a)
-    assert [p.blocks for p in kv.prompts] == [2] and kv.free_blocks == 10 and not kv.owned
+    assert [p.blocks for p in kv.prefixes.prompts] == [2] and kv.free_blocks == 10 and not kv.owned
     assert match(kv, a[:15]) is None and match(kv, [1] + a[1:]) is None  # no whole first block alike
     cached, blocks = match(kv, a + [7])
     assert blocks == 2 and match(kv, a, BLOCK_SIZE + 3)[1] == 1  # at most `limit` tokens
@@ -109,13 +110,13 @@ def test_kept_prompt_blocks_are_copied_in_exactly_and_given_up_least_recently_us
     keep(kv, "b", [9] * 16)  # a second prompt, more recently used
     written(kv, "d", 32, 3.0)
     keep(kv, "d", a[:32])  # the first prompt holds these blocks already: not kept twice
-    assert [p.blocks for p in kv.prompts] == [2, 1]
+    assert [p.blocks for p in kv.prefixes.prompts] == [2, 1]
     match(kv, a)  # the first prompt is used again: the second goes first
     big = kv.allocate("e", 8 * BLOCK_SIZE)
-    assert big is not None and [p.tokens[:1] for p in kv.prompts] == [[0]] and match(kv, [9] * 16) is None
+    assert big is not None and [p.tokens[:1] for p in kv.prefixes.prompts] == [[0]] and match(kv, [9] * 16) is None
     assert match(kv, a)[1] == 2  # still found after the other's eviction
     assert kv.allocate("f", 2 * BLOCK_SIZE, match(kv, a)) is None  # only room without the prompt it copies
-    assert kv.allocate("f", 2 * BLOCK_SIZE) is not None and not kv.prompts and not kv.prompt_keys
+    assert kv.allocate("f", 2 * BLOCK_SIZE) is not None and not kv.prefixes.prompts and not kv.prefixes.by_key
     kv.free("e")
     kv.free("f")
     assert kv.free_runs == [(0, 10)]
@@ -129,7 +130,7 @@ def test_a_shared_first_block_stays_found_when_the_prompt_that_indexed_it_goes()
     written(kv, "b", 32, 2.0)
     keep(kv, "b", head + [2] * 16)  # the newer: the shared block's key points here
     match(kv, head + [1] * 16)  # a is the most recently used: b goes first
-    assert kv.allocate("c", 3 * BLOCK_SIZE) is not None and len(kv.prompts) == 1
+    assert kv.allocate("c", 3 * BLOCK_SIZE) is not None and len(kv.prefixes.prompts) == 1
     assert match(kv, head + [3] * 16)[1] == 1 and match(kv, head + [1] * 16)[1] == 2
 
 
@@ -138,7 +139,7 @@ def test_a_run_grows_into_blocks_cached_prompts_gave_up():
     run = written(kv, "a", 16, 1.0)
     written(kv, "p", 16, 2.0)
     keep(kv, "p", list(range(16)))  # block 1, right after a's run
-    assert kv.grow("a", run, 4 * BLOCK_SIZE) and not kv.prompts and kv.owned["a"] == (0, 4)
+    assert kv.grow("a", run, 4 * BLOCK_SIZE) and not kv.prefixes.prompts and kv.owned["a"] == (0, 4)
     assert (run.k[:, :, :, :BLOCK_SIZE] == 1).all() and (run.k[:, :, :, BLOCK_SIZE:] == 0).all()
 
 
@@ -146,7 +147,7 @@ def test_without_prefix_caching_nothing_is_kept(mode_llms):
     llm = mode_llms["full"]
     engine = Engine(llm.model, llm.engine.decoding, kv_cache_memory=64 * BLOCK_SIZE, enable_prefix_caching=False)
     seqs = decode(engine, [sequence(llm, LONG, SamplingParams(max_tokens=2)) for _ in range(2)])
-    assert [s.stats.cached_tokens for s in seqs] == [0, 0] and not engine.kv.prompts
+    assert [s.stats.cached_tokens for s in seqs] == [0, 0] and not engine.kv.prefixes.prompts
 
 
 def test_a_served_chat_turn_reports_the_cached_prompt_tokens_and_decodes_as_without_the_cache():
@@ -183,3 +184,50 @@ def test_the_command_line_turns_prefix_caching_off():
     assert parser.parse_args(["serve", "--no-enable-prefix-caching"]).enable_prefix_caching is False
     with pytest.raises(TypeError, match="enable_prefix_caching"):
         LLM("no-such-model", enable_prefix_caching="yes")
+
+
+def test_prompts_give_up_only_the_cached_blocks_in_the_way_least_recently_used_stretch_first():
+    """Forty one-block prompts fill the pool, used in a scattered order: a run of three gives up three of
+    them, the stretch whose newest is oldest (it gave up prompts one at a time, least recently used
+    first, until three happened to lie together: most of the cache)."""
+    kv = pool(40)
+    prompts = [[i] * BLOCK_SIZE for i in range(40)]
+    for i, tokens in enumerate(prompts):
+        written(kv, f"r{i}", BLOCK_SIZE, 1.0)
+    for i, tokens in enumerate(prompts):
+        keep(kv, f"r{i}", tokens)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
+    for i in order:
+        match(kv, prompts[i])
+    assert kv.allocate("new", 3 * BLOCK_SIZE) is not None and len(kv.prefixes) == 37
+    start = kv.owned["new"][0]
+    ranks = {i: order.index(i) for i in range(40)}
+    worst = min(max(ranks[j] for j in range(s, s + 3)) for s in range(38))
+    assert max(ranks[j] for j in range(start, start + 3)) == worst
+
+
+def test_a_request_aborted_after_a_step_raised_keeps_nothing(mode_llms, monkeypatch):
+    """The engine thread aborts every request when a step raises (worker.py); the prompt part that step was
+    to write was never written, so nothing of it may be kept for later prompts."""
+    llm = mode_llms["full"]
+    engine = Engine(llm.model, llm.engine.decoding, kv_cache_memory=64 * BLOCK_SIZE, prefill_chunk=32)
+    seq = sequence(llm, LONG, SamplingParams(max_tokens=2))
+    engine.add_request(seq)
+    engine.step()  # its first part
+    monkeypatch.setattr(engine.runner, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine.abort(seq)
+    assert seq.finish_reason == "abort" and not engine.kv.prefixes.prompts and not engine.kv.owned
+
+
+def test_aborting_a_finished_request_leaves_a_newer_one_of_the_same_id_its_cache(mode_llms):
+    llm = mode_llms["full"]
+    engine = Engine(llm.model, llm.engine.decoding, kv_cache_memory=64 * BLOCK_SIZE)
+    old = decode(engine, [sequence(llm, LONG, SamplingParams(max_tokens=2))])[0]
+    new = sequence(llm, LONG + " again", SamplingParams(max_tokens=2))
+    new.request_id = old.request_id
+    engine.add_request(new)
+    engine.abort(old)  # a stale handle: it finished already
+    decode(engine, [])
+    assert old.finish_reason == "length" and new.finish_reason == "length" and new.stats.cached_tokens > 0

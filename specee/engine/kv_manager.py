@@ -9,13 +9,11 @@ skipped lives in the pool beside the K/V. When a run cannot grow, the scheduler 
 (`park`: its run's contents move out of the pool, exactly, vLLM's swap) and brings it back later
 (`restore`), so its tokens do not change.
 
-Prefix caching (vLLM's automatic prefix caching, llama.cpp's prompt cache): a finished request's
-whole blocks of prompt rows stay in the pool as a cached prompt (`keep`), and a later request whose
-prompt starts with the same tokens has them copied into its run (`match`, `allocate(prefix=...)`)
-and prefills only the rest: a chat's next turn does not prefill the conversation again. Only
-prompt rows are kept (a prefill's arithmetic, which a later prefill's rows continue exactly as a
-chunked prefill's next part would; generated rows came from decode steps). Cached prompts are the
-first to go when blocks are wanted, least recently used first.
+Prefix caching (prefix_cache.py keeps the books): a finished request's whole blocks of prompt rows
+stay in the pool as a cached prompt (`keep`), and a later request whose prompt starts with the same
+tokens has them copied into its run (`allocate(prefix=...)`) and prefills only the rest. Cached
+prompts give way when blocks are wanted: those in the way of the run asked for, least recently used
+stretch first.
 
 Why consecutive blocks rather than vLLM's scattered blocks with a block table: a request's cache
 is then a strided view of the pool, which attention on the CPU reads in place (scaled dot-product
@@ -28,16 +26,13 @@ from __future__ import annotations
 import bisect
 import math
 import re
-from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from ..model import huge_pages
 from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
-
-BLOCK_SIZE = 16
+from .prefix_cache import BLOCK_SIZE, CachedPrompt, PrefixCache
 SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)  # "512MiB", "2GB", "1.5GiB"
 DEFAULT_KV_MEMORY = 1 << 30  # bytes, unless the context needs more (one full-context request always fits)
 MAX_KV_MEMORY = 1 << 50  # bytes (1 PiB): past any machine's memory, and past what mmap's size can say
@@ -87,29 +82,6 @@ def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtyp
     return tokens
 
 
-def block_hashes(tokens: list[int]) -> list[int]:
-    """A key for each whole block of `tokens` with all the blocks before it (vLLM's prefix-cache keys): a
-    prompt's cached rows are found by its keys, whatever the number of prompts cached."""
-    keys, key = [], 0
-    for i in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
-        key = hash((key, *tokens[i : i + BLOCK_SIZE]))
-        keys.append(key)
-    return keys
-
-
-@dataclass(eq=False)
-class CachedPrompt:
-    """A finished request's whole blocks of prompt rows, kept in the pool for a later prompt that starts alike."""
-
-    tokens: list[int]  # the prompt tokens whose K/V its blocks hold (len: whole blocks)
-    keys: list[int]  # block_hashes(tokens)
-    first: int  # its run's first block
-
-    @property
-    def blocks(self) -> int:
-        return len(self.keys)
-
-
 class KVCacheManager:
     """A pool of `num_blocks` blocks of BLOCK_SIZE slots for every layer; `allocate` hands out runs
     of consecutive blocks as one-row KVCache views, `free` takes them back (first fit, merged)."""
@@ -136,8 +108,7 @@ class KVCacheManager:
         self.slot_ids = torch.arange(slots, device=device)
         self.free_runs: list[tuple[int, int]] = [(0, self.num_blocks)]  # (first block, blocks), by first block
         self.owned: dict[str, tuple[int, int]] = {}  # request id -> its run
-        self.prompts: OrderedDict[CachedPrompt, None] = OrderedDict()  # cached prompts, least recently used first
-        self.prompt_keys: dict[int, CachedPrompt] = {}  # a block key -> a cached prompt holding that block
+        self.prefixes = PrefixCache()  # finished requests' prompt rows kept in the pool
         self.releases = 0  # runs given back so far (free or kept): parked requests wait for one to try again
 
     @classmethod
@@ -166,7 +137,7 @@ class KVCacheManager:
     @property
     def free_blocks(self) -> int:
         """Blocks a request may take: free ones and those of cached prompts (given up first)."""
-        return sum(n for _, n in self.free_runs) + sum(p.blocks for p in self.prompts)
+        return sum(n for _, n in self.free_runs) + self.prefixes.blocks
 
     @staticmethod
     def blocks_for(tokens: int) -> int:
@@ -187,20 +158,6 @@ class KVCacheManager:
             self._move(cached.first, blocks, first)
         return self.view(first * BLOCK_SIZE, (first + need) * BLOCK_SIZE)
 
-    def match(self, tokens: list[int], keys: list[int], limit: int) -> tuple[CachedPrompt, int] | None:
-        """The cached prompt sharing the most whole blocks with `tokens` (`keys`: their block_hashes), no more
-        than `limit` tokens, and how many blocks it shares (it becomes the most recently used); None if none
-        shares a block."""
-        found, n = None, 0
-        for key in keys[: max(limit, 0) // BLOCK_SIZE]:
-            if (p := self.prompt_keys.get(key)) is None:
-                break
-            found, n = p, n + 1
-        if found is None or found.tokens[: n * BLOCK_SIZE] != tokens[: n * BLOCK_SIZE]:  # (a hash collision)
-            return None
-        self.prompts.move_to_end(found)
-        return found, n
-
     def keep(self, owner: str, tokens: list[int], keys: list[int]) -> None:
         """Free `owner`'s run but keep its first whole blocks, which hold the K/V of `tokens` (prompt rows
         a prefill wrote; `keys`: their block_hashes), as a cached prompt; not where one holds them all."""
@@ -210,27 +167,31 @@ class KVCacheManager:
         self.releases += 1  # a cached prompt's blocks are there to take too
         first, held = run
         blocks = min(held, len(tokens) // BLOCK_SIZE, len(keys))
-        if blocks and keys[blocks - 1] not in self.prompt_keys:
-            p = CachedPrompt(tokens[: blocks * BLOCK_SIZE], keys[:blocks], first)
-            self.prompts[p] = None
-            self.prompt_keys.update(dict.fromkeys(p.keys, p))
+        if blocks and not self.prefixes.holds(keys[blocks - 1]):
+            self.prefixes.add(tokens[: blocks * BLOCK_SIZE], keys[:blocks], first)
             first, held = first + blocks, held - blocks
         if held:
             self._release((first, held))
 
     def drop_prompts(self) -> None:
         """Give every cached prompt's blocks back."""
-        while self._evict():
-            pass
+        for p in list(self.prefixes.prompts):
+            self._give_up(p)
 
     def grow(self, owner: str, cache: KVCache, tokens: int) -> bool:
         """Give `owner`'s cache at least `tokens` slots: its run extended where the blocks after it
         are free, else moved (its own rows copied) to a free run that long, or to one its run makes
-        with the free runs either side, cached prompts given up as needed; False if none fits (it
-        stays as it was)."""
+        with the free runs either side, cached prompts given up as needed (first those in the blocks
+        after it); False if none fits (it stays as it was)."""
+        first, held = self.owned[owner]
+        need = self.blocks_for(tokens)
+        if need > held and self.prefixes:
+            for p in self.prefixes.in_the_way(self.free_runs, need - held, start=first + held) or ():
+                self._give_up(p)
         while not self._grow(owner, cache, tokens):
-            if not self._evict():
+            if not self.prefixes:
                 return False
+            self._give_up(next(iter(self.prefixes.prompts)))  # its own run with neighbours, at last
         return True
 
     def _grow(self, owner: str, cache: KVCache, tokens: int) -> bool:
@@ -248,7 +209,7 @@ class KVCacheManager:
             self._clear(first + held, need - held)
             to = first
         else:
-            to = self._first_fit(need)
+            to = self._take(need)
             if to is None:  # none elsewhere: perhaps its own run with the free runs either side of it
                 beside = sum(n for at, n in self.free_runs if at + n == first or at == first + held)
                 if held + beside < need:
@@ -325,22 +286,19 @@ class KVCacheManager:
             self._release(run)
 
     def _take(self, need: int, keep: CachedPrompt | None = None) -> int | None:
-        """The first block of a run of `need` free blocks, giving up cached prompts (least recently used
-        first, never `keep`) until one is that long."""
-        while (first := self._first_fit(need)) is None and self._evict(keep):
-            pass
+        """The first block of a run of `need` free blocks, giving up the cached prompts in the way of one
+        (never `keep`) where no free run is that long."""
+        first = self._first_fit(need)
+        if first is None and self.prefixes:
+            for p in self.prefixes.in_the_way(self.free_runs, need, keep=keep) or ():
+                self._give_up(p)
+            first = self._first_fit(need)
         return first
 
-    def _evict(self, keep: CachedPrompt | None = None) -> bool:
-        """Give the least recently used cached prompt (not `keep`) back to the free runs; False if none."""
-        p = next((p for p in self.prompts if p is not keep), None)
-        if p is None:
-            return False
-        del self.prompts[p]
+    def _give_up(self, p: CachedPrompt) -> None:
+        """A cached prompt's blocks back to the free runs."""
+        self.prefixes.remove(p)
         self._release((p.first, p.blocks))
-        if any(self.prompt_keys.get(key) is p for key in p.keys):  # its keys go to others that hold their blocks
-            self.prompt_keys = {key: q for q in self.prompts for key in q.keys}
-        return True
 
     def _first_fit(self, need: int) -> int | None:
         """The first block of a run of `need` free blocks, taken from the first free run that long."""

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from ..model.kv_cache import ContextLengthError, KVCache
-from .kv_manager import BLOCK_SIZE, KVCacheManager, block_hashes
+from .kv_manager import KVCacheManager
+from .prefix_cache import BLOCK_SIZE, block_hashes
 from .scheduling import MIN_PROMPT_PART, prompt_part_end
 from .sequence import Sequence
 
@@ -158,7 +159,7 @@ class Scheduler:
             seq = self.waiting[0]
             n = self.prefill_length(seq)
             keys = self.prompt_keys.get(seq.request_id)
-            prefix = self.kv.match(seq.prompt_ids, keys, n - MIN_PROMPT_PART) if keys else None
+            prefix = self.kv.prefixes.match(seq.prompt_ids, keys, n - MIN_PROMPT_PART) if keys else None
             start = prefix[1] * BLOCK_SIZE if prefix else 0
             rows = prompt_part_end(start, n, self.prefill_chunk) - start
             if prefills and rows > budget:  # at least one prompt part runs a step
@@ -253,8 +254,8 @@ class Scheduler:
         return failed, done
 
     def _free(self, r: Running) -> None:
-        """Give a request's blocks back: with prefix caching its prompt rows stay as a cached prompt; those of
-        one that went wrong are zeroed (KVCacheManager.free)."""
+        """Give a finished request's blocks back: with prefix caching its prompt rows stay as a cached prompt;
+        those of one that went wrong are zeroed (KVCacheManager.free)."""
         keys = self.prompt_keys.pop(r.seq.request_id, None)
         if r.seq.finish_reason == "error":
             self.kv.free(r.seq.request_id, zero=True)
@@ -271,9 +272,9 @@ class Scheduler:
             self.running = [r for r in self.running if r is not running]
             self.parked = [r for r in self.parked if r is not running]
             running.parked = None
-            seq.abort()
-            self._free(running)
-        else:  # by identity: two requests with the same prompt and parameters compare equal
+            self.prompt_keys.pop(seq.request_id, None)
+            self.kv.free(seq.request_id)  # nothing kept: a step that raised aborts requests its parts never wrote
+        elif any(s is seq for s in self.waiting):  # by identity: equal prompts and parameters compare equal
             self.waiting = deque(s for s in self.waiting if s is not seq)
             self.prompt_keys.pop(seq.request_id, None)
         seq.abort()
