@@ -120,7 +120,8 @@ class KVCacheManager:
         that switched modes (a new engine) paid that again after every switch."""
         if (previous is not None and not previous.owned and previous.k.dtype == dtype and previous.k.device == device
                 and previous.k.shape == cls.pool_shape(cfg, max_tokens)):
-            previous.drop_prompts()  # a new engine starts without the last one's cached prompts
+            # cached prompts and all: the same model's rows, and no change to a pool that the engine thread may
+            # still be reading (the caller's thread makes the new engine)
             return previous
         return cls(cfg, device, dtype, max_tokens)
 
@@ -290,10 +291,21 @@ class KVCacheManager:
         (never `keep`) where no free run is that long."""
         first = self._first_fit(need)
         if first is None and self.prefixes:
-            for p in self.prefixes.in_the_way(self.free_runs, need, keep=keep) or ():
-                self._give_up(p)
+            oldest = next(iter(self.prefixes.prompts))
+            if oldest is not keep and self._room_around(oldest) >= need:  # most often (steady traffic): no scan
+                self._give_up(oldest)
+            else:
+                for p in self.prefixes.in_the_way(self.free_runs, need, keep=keep) or ():
+                    self._give_up(p)
             first = self._first_fit(need)
         return first
+
+    def _room_around(self, p: CachedPrompt) -> int:
+        """Blocks a cached prompt's run makes with the free runs either side of it."""
+        i = bisect.bisect(self.free_runs, (p.first, -1))
+        after = self.free_runs[i][1] if i < len(self.free_runs) and self.free_runs[i][0] == p.first + p.blocks else 0
+        before = self.free_runs[i - 1][1] if i and sum(self.free_runs[i - 1]) == p.first else 0
+        return before + p.blocks + after
 
     def _give_up(self, p: CachedPrompt) -> None:
         """A cached prompt's blocks back to the free runs."""
