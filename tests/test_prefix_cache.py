@@ -231,3 +231,18 @@ def test_aborting_a_finished_request_leaves_a_newer_one_of_the_same_id_its_cache
     engine.abort(old)  # a stale handle: it finished already
     decode(engine, [])
     assert old.finish_reason == "length" and new.finish_reason == "length" and new.stats.cached_tokens > 0
+
+
+def test_touching_the_pool_writes_only_its_free_blocks():
+    """A server writes its whole pool before it is ready (LLM.warm_up): runs that move on through the pool as
+    prompts stay cached then find their pages in; a request's rows and a cached prompt's stay as they are."""
+    kv = pool(6)
+    kv.k.fill_(float("nan"))
+    kv.v.fill_(float("nan"))
+    owned = written(kv, "a", 16, 1.0)
+    written(kv, "p", 16, 2.0)
+    keep(kv, "p", list(range(16)))
+    kv.touch()
+    assert (owned.k == 1).all() and (kv.k[:, :, :, BLOCK_SIZE : 2 * BLOCK_SIZE] == 2).all()
+    assert (kv.k[:, :, :, 2 * BLOCK_SIZE :] == 0).all() and (kv.v[:, :, :, 2 * BLOCK_SIZE :] == 0).all()
+    assert kv.free_runs == [(2, 4)] and len(kv.prefixes) == 1

@@ -140,6 +140,11 @@ class KVCacheManager:
         """Blocks a request may take: free ones and those of cached prompts (given up first)."""
         return sum(n for _, n in self.free_runs) + self.prefixes.blocks
 
+    def touch(self) -> None:
+        """Fault the whole pool in now (zeros in the free blocks; a run is zeroed when taken anyway)."""
+        for first, n in self.free_runs:
+            self._clear(first, n)
+
     @staticmethod
     def blocks_for(tokens: int) -> int:
         return -(-tokens // BLOCK_SIZE)
