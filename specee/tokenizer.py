@@ -10,7 +10,6 @@ import functools
 import hashlib
 import importlib.metadata
 import json
-import os
 import threading
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from .cache_dir import default_cache_dir
+from .files import replacing
 
 
 def _token_text(value: Any) -> str | None:
@@ -226,10 +226,8 @@ def _cached_gguf(path: Path, _mtime_ns: int, _size: int) -> tuple[HFTokenizer, d
         pass
     tok, specials, template = _convert_gguf(path)
     try:  # best effort: a read-only cache only costs the next run the conversion again
-        stored.parent.mkdir(parents=True, exist_ok=True)
-        partial = stored.with_name(f"{stored.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"tokenizer": tok.to_str(), "specials": specials, "chat_template": template}))
-        os.replace(partial, stored)  # whole or not at all, for a concurrent reader
+        with replacing(stored) as partial:  # whole or not at all, for a concurrent reader
+            partial.write_text(json.dumps({"tokenizer": tok.to_str(), "specials": specials, "chat_template": template}))
     except OSError:
         pass
     return tok, specials, template

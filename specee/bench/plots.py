@@ -11,7 +11,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from .report import replacing
+from ..files import replacing
 
 INSTALL_HINT = "pip install 'specee[plots]'"
 

@@ -10,10 +10,11 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ..files import replacing
 
 from ..jsonable import jsonable
 from .common import REPO_ROOT
@@ -110,20 +111,6 @@ def environment(llm=None, *, draft: str | None = None, drafter=None, bank: str |
 
 
 # ---- output ---------------------------------------------------------------------------------
-@contextmanager
-def replacing(path: str | Path) -> Iterator[Path]:
-    """A temporary file beside `path` to write, moved over `path` only when the block ends without error:
-    an interrupted or failing run leaves the previous report whole, never half of a new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_json(path: str | Path, obj: Any) -> Path:
     return write_text(path, json.dumps(jsonable(obj), indent=2, allow_nan=False, ensure_ascii=False))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import replacing
 from ..model.llama import Transformer
 from ..progress import progress_bar
 from ..records import data_files, question, raw_text, read_file
@@ -98,9 +99,8 @@ class Record:
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({f.name: getattr(self, f.name).contiguous() for f in fields(self)}, str(tmp))
-        tmp.replace(path)
+        with replacing(path) as tmp:
+            save_file({f.name: getattr(self, f.name).contiguous() for f in fields(self)}, str(tmp))
 
     @classmethod
     def load(cls, path: Path) -> "Record":

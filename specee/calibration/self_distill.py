@@ -13,11 +13,11 @@ that `specee train-draft --data` reads like any other.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 
+from ..files import replacing
 from ..progress import progress_bar
 from ..records import question
 from ..sampling import SamplingParams
@@ -75,9 +75,6 @@ def distill(llm, output: str | Path, data: str | Path | None = None, max_new_tok
         if deadline is not None and time.monotonic() > deadline:
             break
     bar.close()
-    path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(out, ensure_ascii=False, indent=0))
-    os.replace(tmp, path)
+    with replacing(output) as tmp:
+        tmp.write_text(json.dumps(out, ensure_ascii=False, indent=0))
     return len(out), len(recs) - len(order)

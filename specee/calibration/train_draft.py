@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..drafters.base import frequency_shortlist
 from ..drafters.eagle_head import EagleHead, EagleHeadConfig
+from ..files import replacing
 from ..model.llama import Transformer
 from ..progress import progress_bar
 from .record import Record, record, training_sequences
@@ -346,16 +347,14 @@ def _save_checkpoint(ckpt: Path, head: EagleHead, optimizer: torch.optim.AdamW, 
                 tensors[f"{key}.{n}"] = opt["state"][i][key].cpu().contiguous()
     adam_step = float(opt["state"][0]["step"]) if 0 in opt["state"] else 0.0
     ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt / "state.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(ckpt / "state.safetensors")
+    with replacing(ckpt / "state.safetensors") as tmp:
+        save_file(tensors, str(tmp))
     state = {"target_fingerprint": head.target_fingerprint, "feature_layers": list(head.config.feature_layers),
              "shortlist_size": head.config.shortlist_size, "shortlist": head.shortlist.tolist(),
              "recipe": asdict(recipe), "param_names": names, "adam_step": adam_step,
              "train_seconds": done["train_seconds"] + seconds, **{k: done[k] for k in ("steps", "tokens")}}
-    tmp = ckpt / "state.json.tmp"
-    tmp.write_text(json.dumps(state) + "\n")
-    tmp.replace(ckpt / "state.json")
+    with replacing(ckpt / "state.json") as tmp:
+        tmp.write_text(json.dumps(state) + "\n")
 
 
 def _load_checkpoint(ckpt: Path, target: Transformer, cfg: EagleHeadConfig, shortlist: torch.Tensor,

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from ..files import replacing
 from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 from ..model.llama import LayerWeights, Transformer
@@ -204,15 +204,13 @@ class EagleHead:
         head_dir.mkdir(parents=True, exist_ok=True)
         weights, manifest = head_dir / WEIGHTS_FILE, head_dir / MANIFEST_FILE
         tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in self.params.items()}
-        tmp = weights.with_name(weights.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
-        tmp.chmod(0o644)  # safetensors writes it private; a head is not secret
-        os.replace(tmp, weights)
+        with replacing(weights) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+            tmp.chmod(0o644)  # safetensors writes it private; a head is not secret
         m = self.manifest(manifest_extra)
         m["weights_sha256"] = _sha256(weights)
-        tmp = manifest.with_name(manifest.name + ".tmp")
-        tmp.write_text(json.dumps(m, indent=1, allow_nan=False) + "\n")
-        os.replace(tmp, manifest)
+        with replacing(manifest) as tmp:
+            tmp.write_text(json.dumps(m, indent=1, allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, head_dir: str | Path, target: Transformer, target_fingerprint: str,
