@@ -192,7 +192,7 @@ class KVCacheManager:
         first, held = self.owned[owner]
         need = self.blocks_for(tokens)
         if need > held and self.prefixes:
-            for p in self.prefixes.in_the_way(self.free_runs, need - held, start=first + held) or ():
+            for p in self._cached_in(first + held, need - held) or ():
                 self._give_up(p)
         while not self._grow(owner, cache, tokens):
             if not self.prefixes:
@@ -304,6 +304,12 @@ class KVCacheManager:
                     self._give_up(p)
             first = self._first_fit(need)
         return first
+
+    def _cached_in(self, at: int, n: int) -> list[CachedPrompt] | None:
+        """The cached prompts in blocks [at, at + n); None where a request's run lies there too (or the pool ends)."""
+        if at + n > self.num_blocks or any(f < at + n and at < f + h for f, h in self.owned.values()):
+            return None
+        return [p for p in self.prefixes.prompts if p.first < at + n and at < p.first + p.blocks]
 
     def _room_around(self, p: CachedPrompt) -> int:
         """Blocks a cached prompt's run makes with the free runs either side of it."""

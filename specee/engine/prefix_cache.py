@@ -80,11 +80,11 @@ class PrefixCache:
         self.prompts.move_to_end(found)
         return found, n
 
-    def in_the_way(self, free_runs: list[tuple[int, int]], need: int, start: int | None = None,
+    def in_the_way(self, free_runs: list[tuple[int, int]], need: int,
                    keep: CachedPrompt | None = None) -> list[CachedPrompt] | None:
-        """The cached prompts to give up for a run of `need` blocks of free and cached blocks (from block
-        `start` if given, else anywhere): of the stretches that would do, the one whose most recently
-        used prompt is least recent (a hot system prompt stays); None if none would do. Never `keep`."""
+        """The cached prompts to give up for a run of `need` blocks of free and cached blocks: of the
+        stretches that would do, the one whose most recently used prompt is least recent (a hot system
+        prompt stays); None if none would do. Never `keep`."""
         rank = {p: i for i, p in enumerate(self.prompts)}
         segments = sorted([(at, n, None) for at, n in free_runs] +
                           [(p.first, p.blocks, p) for p in self.prompts if p is not keep], key=lambda s: s[0])
@@ -93,17 +93,11 @@ class PrefixCache:
             if hi and at != segments[hi - 1][0] + segments[hi - 1][1]:  # a request's run lies between
                 lo, total = hi, 0
             total += n
-            if start is not None:
-                if segments[lo][0] != start:
-                    continue
-            else:
-                while total - segments[lo][1] >= need:  # the shortest stretch ending here
-                    total, lo = total - segments[lo][1], lo + 1
+            while total - segments[lo][1] >= need:  # the shortest stretch ending here
+                total, lo = total - segments[lo][1], lo + 1
             if total >= need:
                 inside = [p for _, _, p in segments[lo : hi + 1] if p is not None]
                 cost = max((rank[p] for p in inside), default=-1)
                 if best is None or cost < best[0]:
                     best = cost, inside
-                if start is not None:
-                    break
         return None if best is None else best[1]
