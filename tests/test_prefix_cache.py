@@ -176,6 +176,24 @@ def test_a_served_chat_turn_reports_the_cached_prompt_tokens_and_decodes_as_with
     assert out[0].text == second.choices[0].text
 
 
+def test_a_server_without_prefix_caching_counts_no_lookups():
+    pytest.importorskip("fastapi", reason="the server extra (pip install 'specee[server]') is not installed")
+    pytest.importorskip("openai", reason="the openai client (requirements-ci.txt) is not installed")
+    from server_helpers import LiveServer
+
+    from specee.server import create_app
+
+    model = real_model_dir("stories260K")
+    server = LiveServer(create_app(LLM(model, dtype="float32", enable_prefix_caching=False), model_name="stories"))
+    try:
+        out = server.client().completions.create(model="stories", prompt="Once upon a time", max_tokens=4, temperature=0)
+        assert out.usage.prompt_tokens > 0 and server.metric("specee:prompt_tokens_total") == out.usage.prompt_tokens
+        assert server.metric("specee:prefix_cache_queries_total") == 0
+        assert server.metric("specee:prefix_cache_hits_total") == 0
+    finally:
+        server.stop()
+
+
 def test_the_command_line_turns_prefix_caching_off():
     from specee.cli import build_parser
 

@@ -16,10 +16,12 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 class Metrics:
     def __init__(self, model_name: str, running: Callable[[], int], waiting: Callable[[], int],
-                 parked: Callable[[], int], num_layers: int = 0):
+                 parked: Callable[[], int], num_layers: int = 0, prefix_caching: Callable[[], bool] = lambda: True):
+        """prefix_caching: whether the engine looks prompts up in its prefix cache now (as vLLM's, the
+        queries counter stays at zero where it does not)."""
         self.registry = r = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": r}
-        self.model_name = model_name
+        self.model_name, self.prefix_caching = model_name, prefix_caching
         self.running = Gauge("specee:num_requests_running", "Requests the engine decodes now (at most --max-num-seqs)",
                              **label)
         self.running.labels(model_name).set_function(running)
@@ -70,7 +72,8 @@ class Metrics:
         self.success.labels(m, out.finish_reason).inc()
         if st.scheduled_time is not None:  # its prefill ran (not one refused or aborted while it waited)
             self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
-            self.prefix_queries.labels(m).inc(len(out.prompt_token_ids))
+            if self.prefix_caching():
+                self.prefix_queries.labels(m).inc(len(out.prompt_token_ids))
             self.prefix_hits.labels(m).inc(st.cached_tokens)
         self.generation_tokens.labels(m).inc(len(out.token_ids))
         if st.time_to_first_token is not None:

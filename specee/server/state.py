@@ -30,7 +30,8 @@ class ServerState:
         `specee serve --max-num-seqs`); admission counts the rest as waiting."""
         worker = llm.worker
         self.metrics = Metrics(self.model_name, lambda: worker.num_running, lambda: self.num_waiting,
-                               lambda: worker.num_parked, num_layers=llm.model.cfg.num_layers)
+                               lambda: worker.num_parked, num_layers=llm.model.cfg.num_layers,
+                               prefix_caching=lambda: worker.engine.scheduler.prefix_caching)
         self.llm, self.worker = llm, worker
         self.ready.set()
 
