@@ -196,7 +196,8 @@ class Scheduler:
                     newest.seq.fail(f"the KV cache (kv_cache_memory, --kv-cache-memory) is full and parking this "
                                     f"request's {written} tokens would pass swap_space (--swap-space, "
                                     f"{self.swap_space / 2**30:g} GiB of host memory); raise either or lower max_tokens")
-                    self.kv.free(newest.seq.request_id)
+                    self.prompt_keys.pop(newest.seq.request_id, None)
+                    self.kv.free(newest.seq.request_id)  # its blocks now, for the run that could not grow
                     self.unparkable.append(newest)
                     continue
                 newest.parked = self.kv.park(newest.seq.request_id, newest.cache, written)
@@ -246,12 +247,13 @@ class Scheduler:
         """The requests that ended since the last call: those refused at add_request, those that could
         not be parked, and the running ones that finished, which leave the batch and give their blocks back."""
         failed, self.failed = self.failed, []
-        done, self.unparkable = self.unparkable + [r for r in self.running if r.seq.finished], []
+        unparkable, self.unparkable = self.unparkable, []  # their blocks went back when they ended
+        done = [r for r in self.running if r.seq.finished]
         if done:
             self.running = [r for r in self.running if not r.seq.finished]
             for r in done:
                 self._free(r)
-        return failed, done
+        return failed, unparkable + done
 
     def _free(self, r: Running) -> None:
         """Give a finished request's blocks back: with prefix caching its prompt rows stay as a cached prompt;
