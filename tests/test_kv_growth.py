@@ -183,28 +183,41 @@ def test_a_bad_swap_space_is_refused_before_loading(gib, tmp_path):
 
 def test_an_early_exit_draft_models_cache_grows_as_the_request_decodes(mode_llms, tmp_path, monkeypatch):
     """It was sized for max_tokens at the start, outside the pool (a server's requests without max_tokens:
-    a whole context each); now for the target's first run (it doubles as it fills), with the same tokens."""
+    a whole context each); now for the target's first run (it doubles as it fills), with the same tokens
+    as a cache sized for max_tokens. (Not full depth's: lossy early exit prefills all but the last prompt
+    token, whose row a CPU with AMX computes in other arithmetic than a prompt's rows.)"""
     import torch
-    from ee_helpers import decoder
+    from ee_helpers import constant_bank, decoder
 
     from specee.drafters import DraftModelDrafter
     from specee.engine import early_exit
 
-    monkeypatch.setattr(early_exit, "FIRST_ROOM", 8)
     llm = mode_llms["full"]
     drafter = DraftModelDrafter(make_checkpoint(tmp_path / "d", DRAFT, seed=2), llm.tokenizer, k=4, device="cpu",
                                 dtype=torch.float32)
-    dec = decoder(llm, drafter, max_pending=3)
-    engine = Engine(llm.model, dec)
-    seq = sequence(llm, PROMPTS[1], SamplingParams(ignore_eos=True, max_tokens=40))
-    engine.add_request(seq)
-    engine.step()
-    prompt, cache = len(seq.prompt_ids), engine.scheduler.running[0].state.drafter
-    first = cache._cache.max_len
-    while engine.has_unfinished():
+
+    proposals, propose = [], type(drafter).propose  # what the draft model proposes at each checked pass
+    monkeypatch.setattr(type(drafter), "propose", lambda self: (t := propose(self), proposals.append(t.tolist()))[0])
+
+    def decode(first_room: int):
+        proposals.clear()
+        monkeypatch.setattr(early_exit, "FIRST_ROOM", first_room)
+        never = constant_bank(llm.model.cfg.num_layers, drafter.k, [0.6] * llm.model.cfg.num_layers)  # asked, never fires
+        engine = Engine(llm.model, decoder(llm, drafter, never, max_pending=3))
+        seq = sequence(llm, PROMPTS[1], SamplingParams(ignore_eos=True, max_tokens=40))
+        engine.add_request(seq)
         engine.step()
-    assert first == prompt + 8 and cache._n <= cache._cache.max_len
-    assert seq.output_ids == solo(llm, seq)[0]  # never exiting (its bank): full depth's tokens
+        cache = engine.scheduler.running[0].state.drafter
+        first = cache._cache.max_len
+        while engine.has_unfinished():
+            engine.step()
+        return seq, first, cache, list(proposals)
+
+    seq, first, cache, grown = decode(8)
+    whole, whole_first, _, sized = decode(4096)
+    assert first == len(seq.prompt_ids) + 8 < cache._n <= cache._cache.max_len and first < whole_first
+    assert len(grown) >= 5 and grown == sized  # the draft model's candidates at every checked pass
+    assert seq.output_ids == whole.output_ids and seq.finish_reason == whole.finish_reason == "length"
 
 
 def test_a_run_that_cannot_grow_moves_the_next_run_aside_rather_than_parking():
