@@ -122,6 +122,25 @@ def test_kept_prompt_blocks_are_copied_in_exactly_and_given_up_least_recently_us
     assert kv.free_runs == [(0, 10)]
 
 
+def test_a_prompt_that_holds_all_of_a_cached_one_takes_its_place():
+    """A chat's next turn starts with the last turn's prompt: kept, it serves both, and the last turn's blocks
+    go back to the pool instead of being held twice; a prompt that only shares a first block leaves the
+    other as it was."""
+    kv = pool(12)
+    turn1, turn2 = list(range(32)), list(range(32)) + [7] * 40
+    written(kv, "t1", 40, 1.0)
+    keep(kv, "t1", turn1)
+    written(kv, "other", 32, 2.0)
+    keep(kv, "other", turn1[:16] + [5] * 16)  # shares the first block only
+    written(kv, "t2", 80, 3.0)
+    keep(kv, "t2", turn2)
+    assert sorted(p.blocks for p in kv.prefixes.prompts) == [2, 4]
+    assert kv.prefixes.blocks == 6 and sum(n for _, n in kv.free_runs) == 6 and match(kv, turn1 + [1])[1] == 2 and match(kv, turn1[:16] + [5] * 16)[1] == 2
+    cached, blocks = match(kv, turn1 + [1])
+    c = kv.allocate("c", 3 * BLOCK_SIZE, (cached, blocks))
+    assert cached.tokens == turn2[: 4 * BLOCK_SIZE] and (c.k[:, :, :, : 2 * BLOCK_SIZE] == 3).all()
+
+
 def test_a_shared_first_block_stays_found_when_the_prompt_that_indexed_it_goes():
     kv = pool(6)
     head = list(range(16))

@@ -166,7 +166,8 @@ class KVCacheManager:
 
     def keep(self, owner: str, tokens: list[int], keys: list[int]) -> None:
         """Free `owner`'s run but keep its first whole blocks, which hold the K/V of `tokens` (prompt rows
-        a prefill wrote; `keys`: their block_hashes), as a cached prompt; not where one holds them all."""
+        a prefill wrote; `keys`: their block_hashes), as a cached prompt; not where one holds them all, and
+        in place of those it holds all of (a chat's earlier turns: each turn kept them all again)."""
         run = self.owned.pop(owner, None)
         if run is None:
             return
@@ -174,7 +175,10 @@ class KVCacheManager:
         first, held = run
         blocks = min(held, len(tokens) // BLOCK_SIZE, len(keys))
         if blocks and not self.prefixes.holds(keys[blocks - 1]):
-            self.prefixes.add(tokens[: blocks * BLOCK_SIZE], keys[:blocks], first)
+            tokens, keys = tokens[: blocks * BLOCK_SIZE], keys[:blocks]
+            for p in self.prefixes.covered(tokens, keys):  # its blocks again: this prompt serves them now
+                self._give_up(p)
+            self.prefixes.add(tokens, keys, first)
             first, held = first + blocks, held - blocks
         if held:
             self._release((first, held))

@@ -58,6 +58,12 @@ class PrefixCache:
         for key in keys:
             self.by_key.setdefault(key, OrderedDict())[p] = None
 
+    def covered(self, tokens: list[int], keys: list[int]) -> list[CachedPrompt]:
+        """The cached prompts whose every block `tokens` (`keys`: their block_hashes) starts with: a prompt
+        kept with these blocks serves whoever they served (a chat's next turn holds the last turn's prompt)."""
+        return [p for i, key in enumerate(keys) for p in self.by_key.get(key, ())
+                if p.blocks == i + 1 and p.tokens == tokens[: p.blocks * BLOCK_SIZE]]
+
     def remove(self, p: CachedPrompt) -> None:
         del self.prompts[p]
         for key in p.keys:
