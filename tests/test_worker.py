@@ -232,3 +232,50 @@ def test_the_engine_is_not_switched_under_requests_in_flight(llm, answers):
     stream.close()
     llm.set_scheduling(max_num_seqs=scheduling["max_num_seqs"])
     assert [o.text for o in llm.generate(PROMPTS[:2], PARAMS)] == answers[:2]
+
+
+def test_a_refused_engine_change_leaves_the_llm_as_it_was(llm, answers, monkeypatch):
+    """The engine thread refuses a new engine when a request came in after the idle check: the LLM kept the
+    new scheduling and engine although the thread decoded with the old ones."""
+    from specee.engine.worker import IN_FLIGHT
+
+    worker = llm.worker
+    engine, scheduling = llm.engine, dict(llm.scheduling)
+
+    def refused(new):
+        raise RuntimeError(IN_FLIGHT)
+    monkeypatch.setattr(worker, "swap_engine", refused)
+    with pytest.raises(RuntimeError, match="requests are in flight"):
+        llm.set_scheduling(max_num_seqs=2)
+    assert llm.engine is engine is worker.engine and llm.scheduling == scheduling
+
+
+def test_an_engine_change_racing_the_first_request_is_the_engine_thread_s(answers):
+    """set_scheduling on one thread while another's first request starts the engine thread: the change was
+    made on an engine the thread never took (58 of 60 tries), with no error."""
+    for _ in range(6):
+        fresh = LLM(real_model_dir("stories260K"), dtype="float32", threads=1)
+        client = threading.Thread(target=fresh.generate, args=(PROMPTS[:1], SamplingParams(max_tokens=1)))
+        client.start()
+        i = 0
+        while getattr(fresh, "_worker", None) is None or i < 3:
+            try:
+                fresh.set_scheduling(max_num_seqs=2 + i % 50)
+            except RuntimeError:
+                pass
+            i += 1
+        client.join()
+        assert fresh.engine is fresh._worker.engine
+        assert fresh._worker.engine.scheduler.max_num_seqs == fresh.scheduling["max_num_seqs"]
+        fresh.close()
+
+
+def test_warm_up_is_refused_while_requests_are_in_flight(llm, answers):
+    """It writes the pool's free blocks, which the engine thread takes runs from: every output went wrong."""
+    stream = llm.stream(PROMPTS[0], PARAMS)
+    text = next(stream)
+    with pytest.raises(RuntimeError, match="requests are in flight"):
+        llm.warm_up()
+    assert text + "".join(stream) == answers[0]
+    llm.warm_up()
+    assert [o.text for o in llm.generate(PROMPTS[:2], PARAMS)] == answers[:2]

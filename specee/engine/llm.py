@@ -16,9 +16,9 @@ from ..drafters.base import Drafter
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NGramDrafter
 from ..exit.bank import PredictorBank
+from ..files import writable_destination
 from ..model.kv_cache import check_kv_cache_dtype
 from ..model.llama import Transformer
-from ..model.quant import FloatLinear
 from ..model.resolve import resolve_model
 from ..model.weights import fingerprint_weights
 from ..sampling import SamplingParams
@@ -132,9 +132,7 @@ class LLM:
     @early_exit.setter
     def early_exit(self, decoder: EarlyExitDecoding | None) -> None:
         """Switch early exit (benchmarks and tests switch modes on one loaded model): a new engine."""
-        self._require_idle()
-        self._early_exit = decoder
-        self._new_engine()
+        self._reconfigure(_early_exit=decoder)
 
     @property
     def speculative(self):
@@ -142,9 +140,7 @@ class LLM:
 
     @speculative.setter
     def speculative(self, decoding) -> None:
-        self._require_idle()
-        self._speculative = decoding
-        self._new_engine()
+        self._reconfigure(_speculative=decoding)
 
     def set_scheduling(self, **settings: int) -> None:
         """Change the engine's scheduling (max_num_seqs, max_num_batched_tokens, prefill_chunk) between
@@ -154,8 +150,7 @@ class LLM:
             raise TypeError(f"unknown scheduling setting(s) {sorted(unknown)}; choose {sorted(self.scheduling)}")
         merged = {**self.scheduling, **settings}
         check_scheduling(**merged)
-        self.scheduling = merged
-        self._new_engine()
+        self._reconfigure(scheduling=merged)
 
     def fit_kv_cache(self, tokens: int) -> None:
         """Size the KV pool for one request of `tokens` (prompt + max_tokens; the decoding's extra rows
@@ -164,8 +159,7 @@ class LLM:
         per layer, kv head and K/V (180 on SmolLM2, 360 MB: 0.5 s in a fresh process on the Intel Xeon
         VM), in a pool this size the few pages its rows take."""
         self._require_idle()
-        self.kv_cache_memory = tokens + self.engine.decoding.extra_rows
-        self._new_engine()
+        self._reconfigure(kv_cache_memory=tokens + self.engine.decoding.extra_rows)
 
     def warm_up(self) -> None:
         """Write the whole KV pool once and decode one token of a one-token prompt, for a process that
@@ -173,8 +167,13 @@ class LLM:
         caches at start. A pool's pages are faulted in as runs first reach them (the layout `fit_kv_cache`
         describes: SmolLM2's first request took 0.52 s, the next 0.01 s, Intel Xeon VM), and with prefix
         caching runs move on through the pool as prompts stay cached: each of the first hundred or so
-        SmolLM2 requests took ~50 ms more to admit (AMD EPYC Zen 3 VM) until the whole pool had been touched."""
-        self.engine.kv.touch()
+        SmolLM2 requests took ~50 ms more to admit (AMD EPYC Zen 3 VM) until the whole pool had been touched.
+        Refused while requests are in flight (it writes the free blocks the engine thread takes runs from)."""
+        with _WORKER_LOCK:  # no engine thread started, or none taking requests, while it writes
+            if getattr(self, "_worker", None) is None:
+                self.engine.kv.touch()
+            else:
+                self._worker.while_idle(self.engine.kv.touch)
         self.generate([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
 
     def _require_idle(self) -> None:
@@ -183,15 +182,27 @@ class LLM:
         if getattr(self, "_worker", None) is not None and self._worker.busy:
             raise RuntimeError(IN_FLIGHT)
 
-    def _new_engine(self) -> None:
-        """The engine for the configured decoding: early exit, speculative decoding or full depth (on the
-        last engine's KV pool where it fits: its pages are in already)."""
-        last = getattr(self, "engine", None)
-        self.engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory,
-                             kv=last.kv if last is not None else None, swap_space=self.swap_space,
-                             enable_prefix_caching=self.enable_prefix_caching, **self.scheduling)
-        if getattr(self, "_worker", None) is not None:
-            self._worker.swap_engine(self.engine)  # refused, under the worker's lock, if a request came meanwhile
+    def _reconfigure(self, **settings) -> None:
+        """Set these attributes and decode with a new engine for them: early exit, speculative decoding or
+        full depth (on the last engine's KV pool where it fits: its pages are in already). All or nothing,
+        under the lock that starts the engine thread: refused (IN_FLIGHT) while requests are in flight, and
+        then nothing changed (a change racing a first request was lost, or left `engine` and `scheduling`
+        saying what the engine thread did not decode with)."""
+        with _WORKER_LOCK:
+            self._require_idle()
+            before = {name: getattr(self, name) for name in settings}
+            self.__dict__.update(settings)
+            try:
+                last = getattr(self, "engine", None)
+                engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory,
+                                kv=last.kv if last is not None else None, swap_space=self.swap_space,
+                                enable_prefix_caching=self.enable_prefix_caching, **self.scheduling)
+                if getattr(self, "_worker", None) is not None:
+                    self._worker.swap_engine(engine)  # refused, under the worker's lock, if a request came meanwhile
+            except BaseException:
+                self.__dict__.update(before)
+                raise
+            self.engine = engine
 
     # ---- speculative decoding (specee.speculative) -----------------------------------------------
     def enable_speculative(self, config: dict | None) -> None:
@@ -244,8 +255,7 @@ class LLM:
         """Where the bank for this target + drafter (its fingerprint) + k + dtype is cached; the suffix
         names the calibration recipe, so banks cached by an older recipe are not reused."""
         dtype = str(self.model.dtype).removeprefix("torch.")
-        quantized = not all(isinstance(w.qkv, FloatLinear) for w in self.model.layers)  # "auto" on float weights is float
-        quant = f"-{self.quantization}" if quantized else ""  # quantized weights move the features
+        quant = f"-{self.quantization}" if self.model.quantized else ""  # quantized weights move the features
         return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter_fingerprint}-k{k}-{dtype}{quant}-{BANK_RECIPE}"
 
     def calibrate(self) -> Path | None:
@@ -261,6 +271,11 @@ class LLM:
         # imported here, not at module level: only this path calibrates (the engine never needs it otherwise)
         from ..calibration import calibrate, load_calibration_prompts
 
+        try:  # before minutes of calibration, not after
+            writable_destination(path, directory=True)
+        except ValueError as e:
+            raise ValueError(f"the predictor bank's cache ($SPECEE_CACHE): {e}; set $SPECEE_CACHE to a writable "
+                             f"directory, or pass a calibrated bank (--bank)") from None
         if self.progress:
             print(f"specee: no predictor bank for this model + drafter yet; calibrating once "
                   f"(cached at {path})", file=sys.stderr)

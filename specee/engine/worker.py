@@ -143,10 +143,15 @@ class EngineThread:
     def swap_engine(self, engine) -> None:
         """Decode with `engine` from the next step on; refused while a request is in flight (it would be
         dropped with the old engine), under the lock that submits take."""
+        self.while_idle(lambda: setattr(self, "engine", engine))
+
+    def while_idle(self, work: Callable[[], None]) -> None:
+        """Run `work` in the caller's thread with no request in flight and none submitted meanwhile;
+        refused (IN_FLIGHT) otherwise."""
         with self._lock:
             if self._busy():
                 raise RuntimeError(IN_FLIGHT)
-            self.engine = engine
+            work()
 
     def _busy(self) -> bool:
         return any(not h.done.is_set() for h in self._handles)
