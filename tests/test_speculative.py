@@ -461,6 +461,10 @@ def test_trees_of_several_forks_grow_together_as_each_alone(real_llm, ref_draft,
     ({"method": "draft_model", "model": ".", "quantization": "int3"}, "quantization must be one of"),
     ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min must be an integer from 1 to"),
     ({"method": "draft_model", "model": ".", "prompt_lookup_min": 2}, "'prompt_lookup_min' is for method 'ngram'"),
+    ({"method": "eagle", "model": ".", "prompt_lookup_max": 2}, "'prompt_lookup_max' is for method 'ngram'"),
+    ({"method": "draft_model", "model": 5}, "needs 'model': a draft model directory, .gguf file or hub id, got 5"),
+    ({"method": "eagle", "model": ["a"]}, "needs 'model': an EAGLE head directory, got"),
+    ({"method": "draft_model", "model": " "}, "needs 'model'"),
 ])
 def test_nonsense_configs_are_refused_in_one_line(raw, message):
     with pytest.raises(ValueError, match=message) as e:
@@ -506,6 +510,19 @@ def test_a_quantized_targets_draft_model_runs_int4_unless_the_config_says(ref):
         seq = Sequence(ids, list(ids), params, llm.tokenizer, frozenset())
         decoder.generate(seq)
         assert seq.output_ids == expected, quantization
+
+
+def test_a_float_target_loaded_with_auto_gets_a_float_draft_model():
+    """quantization "auto" keeps a float checkpoint float; its draft model was made int4 (and a draft whose
+    shapes int4 cannot take failed to load)."""
+    from conftest import real_model_dir
+
+    from specee import LLM
+
+    llm = LLM(real_model_dir("ref-target-24L"), dtype="float32")  # quantization "auto"
+    assert llm.quantization == "auto" and not llm.model.quantized
+    llm.enable_speculative({"method": "draft_model", "model": str(real_model_dir("ref-draft-4L")), "num_speculative_tokens": 2})
+    assert isinstance(llm.speculative.drafter.model.layers[0].gate_up, FloatLinear)
 
 
 def test_a_head_for_another_target_is_refused(tiny_llm, tmp_path):

@@ -217,6 +217,11 @@ class Transformer:
                 tensors += lin.tensors()
         return tensors
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the layers' linears hold quantized weights (quantization "auto" keeps a float checkpoint float)."""
+        return any(not isinstance(lin, FloatLinear) for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
+
     def weight_formats(self) -> str:
         """What the layers' linears hold, as a user reads it ("int4", "Q4_K + Q6_K", "float32"): the note a
         command prints names this, not the quantization it asked for ("auto" says nothing)."""

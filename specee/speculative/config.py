@@ -66,13 +66,16 @@ class SpeculativeConfig:
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer from 1 to "
                              f"{MAX_SPECULATIVE_TOKENS}, got {n!r}")
+        if method != "ngram" and "prompt_lookup_max" in raw:
+            raise ValueError(f"speculative_config: 'prompt_lookup_max' is for method 'ngram', not {method!r}")
         model = raw.get("model")
         if method == "ngram":
             if model is not None:
                 raise ValueError("speculative_config: method 'ngram' takes no model (it looks up the prompt)")
-        elif model is None:
-            what = "an EAGLE head directory" if method == "eagle" else "a draft model directory"
-            raise ValueError(f"speculative_config: method {method!r} needs 'model': {what}")
+        elif model is None or not isinstance(model, str) or not model.strip():
+            what = "an EAGLE head directory" if method == "eagle" else "a draft model directory, .gguf file or hub id"
+            got = "" if model is None else f", got {model!r}"
+            raise ValueError(f"speculative_config: method {method!r} needs 'model': {what}{got}")
         elif method == "eagle" and not Path(model).expanduser().is_dir():
             raise ValueError(f"speculative_config: model directory not found: {model}")
         elif method == "eagle":
@@ -161,17 +164,18 @@ def make_decoder(llm, config: SpeculativeConfig | dict[str, Any]):
 
     config = SpeculativeConfig.parse(config)
     model = llm.model
+    drafts_quantized = config.draft_quantization(llm.quantization if model.quantized else None)
     if config.method == "ngram":
         drafter = NGramDrafter(1, model.cfg.vocab_size, model.device, max_ngram=config.prompt_lookup_max,
                                min_ngram=min(config.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MIN, config.prompt_lookup_max))
     elif config.method == "draft_model":
         drafter = DraftModelDrafter(config.model, llm.tokenizer, 1, model.device, model.dtype,
                                     target_dir=llm.model_dir, vocab_size=model.cfg.vocab_size,
-                                    quantization=config.draft_quantization(llm.quantization))
+                                    quantization=drafts_quantized)
     else:
         from ..drafters.eagle import EagleDrafter
         from ..drafters.eagle_head import EagleHead
 
-        head = EagleHead.load(config.model, model, llm.fingerprint, config.draft_quantization(llm.quantization))
+        head = EagleHead.load(config.model, model, llm.fingerprint, drafts_quantized)
         drafter = EagleDrafter(head)
     return SpeculativeDecoding(model, drafter, config.num_speculative_tokens, config.tree, config.method)
