@@ -129,3 +129,18 @@ def test_progress_bars_are_drawn_on_a_terminal_only(monkeypatch):
         with progress_bar(total=3, desc="work") as bar:
             bar.update(3)
         assert ("\r" in stream.getvalue()) == tty
+
+
+def test_an_unwritable_bank_cache_is_refused_before_calibrating(monkeypatch, tmp_path):
+    """$SPECEE_CACHE on a file: the bank's save failed after minutes of calibration, naming no setting."""
+    import specee.calibration as calibration
+    from specee.exit.config import EarlyExitConfig
+
+    if not STORIES.is_dir():
+        pytest.skip(f"shared models not found at {STORIES}")
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path / "afile"))
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("calibrated first"))
+    llm = LLM(STORIES, dtype="float32", early_exit=EarlyExitConfig(draft="ngram"))
+    with pytest.raises(ValueError, match=r"predictor bank's cache \(\$SPECEE_CACHE\).*afile is a file"):
+        llm.calibrate()
