@@ -75,3 +75,14 @@ def test_bad_flags_are_refused_before_any_request(capsys, flag, value, says):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+def test_a_run_whose_every_request_fails_is_one_error_and_writes_nothing(server, tmp_path, capsys):
+    """It wrote report.json, then failed in matplotlib's log scale (no latency to plot), leaving a half report."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    code = main(["bench", "serve", "--server", f"stories={server.url}", "--concurrency", "1", "--requests", "2",
+                 "--max-new-tokens", "4", "--prompts", str(prompts), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "every request failed" in err and "no chat template" in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -181,6 +181,9 @@ def test_early_exit_flag_errors_name_the_flags(capsys):
     """Each combination that cannot run names the flags the user typed, not the library's field names."""
     code, _, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--mode", "lossless")
     assert_clean_error(code, err, "--mode lossless", "--draft")
+    for flag, value in (("--kv-policy", "skip"), ("--threshold-scale", "2.5"), ("--k", "8"), ("--max-pending", "1")):
+        code, _, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, flag, value)
+        assert_clean_error(code, err, f"{flag} {value} is early exit", "--draft")  # it ran full depth, silently
     code, _, err = run(capsys, "generate", "--model", str(STORIES), "--prompt", PROMPT, "--draft", "ngram",
                        "--mode", "lossless", "--kv-policy", "skip")
     assert_clean_error(code, err, "--mode lossless needs --kv-policy recompute", "--kv-policy skip")

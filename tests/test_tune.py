@@ -293,3 +293,22 @@ def test_choose_takes_the_fastest_lossless_candidate_only_when_faster_beyond_cha
     assert choose([full, result("differs", 1.5, 8, differing=1)]) is full
     better, best = result("better", 1.2, 7), result("best", 1.3, 8)
     assert choose([full, better, best, result("lossy", 1.9, 8, lossless=False)]) is best
+
+
+def test_a_prompt_file_with_fewer_prompts_than_the_default_times_on_all_of_them(tmp_path):
+    """It was refused, blaming --prompts 4, a flag the user never gave; an empty file names the file."""
+    import argparse
+
+    from specee.cli import CLIError
+    from specee.cli.tune import prompt_texts
+
+    three = tmp_path / "three.txt"
+    three.write_text("What is 2+2?\nName a colour.\nWrite a haiku.\n")
+    assert prompt_texts(argparse.Namespace(prompt_file=str(three), prompts=None)) == [
+        "What is 2+2?", "Name a colour.", "Write a haiku."]
+    assert len(prompt_texts(argparse.Namespace(prompt_file=None, prompts=None))) == 4
+    with pytest.raises(CLIError, match="--prompts 5: there are 3"):
+        prompt_texts(argparse.Namespace(prompt_file=str(three), prompts=5))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(CLIError, match="--prompt-file: no prompts in"):
+        prompt_texts(argparse.Namespace(prompt_file=str(tmp_path / "empty.txt"), prompts=None))

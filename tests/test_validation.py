@@ -47,6 +47,8 @@ def no_model_loads(monkeypatch):
     (["bench", "speed", "--oracle-layers=-5"], ["--oracle-layers", "'-5'"]),  # a negative speedup ceiling, once
     (["bench", "speed", "--check-cost", "nan"], ["--check-cost", "'nan'"]),
     (["bench", "quality", "--ppl-file", "/nonexistent"], ["--ppl-file", "no such file"]),
+    (["bench", "quality", "--ppl-file", "/tmp"], ["--ppl-file", "is not a file"]),
+    (["bench", "quality", "--ppl-file", "/dev/null"], ["--ppl-file", "is not a file"]),
     (["bench", "speed", "--bank", "/nonexistent"], ["--bank", "no such file"]),
     (["tune", "--prompt-file", "/nonexistent"], ["--prompt-file: /nonexistent is not found"]),
     (["bench", "quality", "--policies", "bogus"], ["--policies: unknown ['bogus']"]),  # found after loading, once
@@ -87,6 +89,22 @@ def test_serve_on_a_busy_port_or_unknown_host_fails_before_the_model_loads(capsy
         code, _, err = run_cli(capsys, "serve", "--model", str(STORIES), "--host", host, "--port", str(port), *ray)
     assert_one_line_error(code, err, *(["--port", f"127.0.0.1:{port}", "in use"] if host == "127.0.0.1" else
                                        ["--host", repr(host)]))
+
+
+@needs_models
+@pytest.mark.parametrize("argv, needles", [
+    (["--speculative-config", '{"method": "ngramm"}'], ["--speculative-config", "method must be one of"]),
+    (["--mode", "lossless"], ["--mode lossless is early exit", "--draft"]),
+    (["--speculative-config", '{"method": "draft_model", "model": 5}'], ["--speculative-config", "needs 'model'"]),
+])
+def test_serve_refuses_bad_decoding_flags_before_its_server_starts(capsys, no_model_loads, monkeypatch, argv, needles):
+    """They were found by the model's load in the started server: uvicorn's start-up and shutdown lines, then
+    the error twice."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the server started"))
+    code, _, err = run_cli(capsys, "serve", "--model", str(STORIES), "--port", "8391", *argv)
+    assert_one_line_error(code, err, *needles)
 
 
 @needs_models
@@ -160,7 +178,7 @@ def test_draft_with_another_tokenizer_is_refused_before_weights_load(capsys, mon
     spec = {"method": "draft_model", "model": str(STORIES), "num_speculative_tokens": 2}
     with pytest.raises(DrafterMismatchError) as e:
         LLM(TARGET, speculative_config=spec)
-    assert "8192 vs 512 tokens" in str(e.value) and len(str(e.value)) < 300
+    assert "512 tokens vs 8192" in str(e.value) and len(str(e.value)) < 300
     assert "only in the target" in e.value.details  # the long comparison, on request
     code, _, err = run_cli(capsys, "generate", "--model", str(TARGET), "--prompt", "hi", "--draft", str(STORIES))
     assert_one_line_error(code, err, "has another tokenizer than target", "stories260K")

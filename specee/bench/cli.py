@@ -11,8 +11,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..cli.arg_types import (bank_dir, device_arg, draft_tokens, existing_path, non_negative_float, non_negative_int,
-                             positive_float, positive_int, positive_int_list, speculative_config_arg, speculative_k)
+from ..cli.arg_types import (bank_dir, device_arg, draft_tokens, non_negative_float, non_negative_int,
+                             positive_float, positive_int, positive_int_list, speculative_config_arg, speculative_k,
+                             text_file)
 from ..cli.args import DTYPE_CHOICES, add_quantization_arg, add_threads_arg
 from ..cli.outputs import output_dir
 from .commands import cmd_oracle, cmd_quality, cmd_serve_bench, cmd_speed, cmd_sweep
@@ -129,7 +130,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--ppl-window", type=positive_int, default=None,
                    help="perplexity window in tokens, at most the model's context (default 512, or the context "
                         "if shorter)")
-    q.add_argument("--ppl-file", metavar="FILE", type=existing_path, default=None,
+    q.add_argument("--ppl-file", metavar="FILE", type=text_file, default=None,
                    help="text for perplexity (default: <shared>/data/text/wikitext2_test.txt)")
     q.add_argument("--mc-tasks", default="csqa,sst2,mmlu", help="multiple-choice tasks: csqa, sst2, mmlu")
     q.add_argument("--mc-items", type=positive_int, default=100, help="items per task (default 100)")

@@ -225,6 +225,9 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
                              max_tokens=args.max_new_tokens, requests=args.requests, api_key=args.api_key,
                              ignore_eos=not args.no_ignore_eos,
                              eos_fields=dict.fromkeys(args.min_tokens_for, "min_tokens"))
+    if all(r["errors"] == r["requests"] for r in report["rows"]):  # nothing to report, nor to plot
+        first = report["rows"][0]
+        raise BenchError(f"every request failed (the first, to {first['server']}: {first['first_error']})")
     return finish(args, report, serve_markdown(report), {"serve.png": plot_serve})
 
 

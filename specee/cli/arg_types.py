@@ -114,6 +114,21 @@ def existing_path(value: str) -> str:
     return value
 
 
+def text_file(value: str) -> str:
+    """A readable, non-empty text file (--ppl-file): a directory or an empty file failed after the run's
+    other parts, naming no flag."""
+    path = Path(existing_path(value)).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a file")
+    try:
+        with path.open(encoding="utf-8") as f:
+            if not f.read(4096).strip():
+                raise argparse.ArgumentTypeError(f"{value!r} holds no text")
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {value!r} as UTF-8 text ({e})") from None
+    return value
+
+
 def bank_dir(value: str) -> str:
     """--bank: a directory holding a bank's files (a wrong one failed only after the model had loaded)."""
     from ..exit.bank import PredictorBank

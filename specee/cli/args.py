@@ -179,6 +179,12 @@ def default_draft(model_dir: Path) -> Path | None:
     return None
 
 
+# early exit's flags with their defaults: one set without --draft runs nothing it says (full depth)
+EXIT_FLAGS = (("--kv-policy", "kv_policy", "recompute"), ("--k", "k", 4), ("--threshold-scale", "threshold_scale", 1.0),
+              ("--max-pending", "max_pending", 8), ("--offline-size", "offline_size", None),
+              ("--online-window", "online_window", 4))
+
+
 def early_exit_config(args: argparse.Namespace):
     """The EarlyExitConfig the flags ask for, or None for full depth."""
     from ..exit.config import LOSSLESS_KV_POLICY, EarlyExitConfig
@@ -186,8 +192,9 @@ def early_exit_config(args: argparse.Namespace):
     if getattr(args, "no_exit", True):
         return None
     if args.draft is None:
-        if args.bank is not None or args.mode == "lossless":
-            given = "--bank" if args.bank is not None else "--mode lossless"
+        tuned = [f"{flag} {getattr(args, name)}" for flag, name, default in EXIT_FLAGS if getattr(args, name) != default]
+        if args.bank is not None or args.mode == "lossless" or tuned:
+            given = "--bank" if args.bank is not None else "--mode lossless" if args.mode == "lossless" else tuned[0]
             raise CLIError(f"{given} is early exit, which needs a drafter: pass --draft DIR (a draft model) or "
                            "--draft ngram")
         return None
@@ -214,12 +221,10 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
              'passes (method ngram with --draft ngram, or draft_model with the same model)')
 
 
-def load_llm(args: argparse.Namespace):
-    """Build the LLM the command asked for (the single place model-loading options are read)."""
+def llm_options(args: argparse.Namespace) -> dict:
+    """The LLM's arguments from the flags, each checked (one line naming the flag) before anything loads:
+    `serve` asks for them before its server starts, as the other commands before they load."""
     import torch
-
-    from ..engine.llm import LLM
-    from ..model.quant import QuantizationError
 
     model_dir = resolve_model_dir(args.model, args.revision)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -229,17 +234,27 @@ def load_llm(args: argparse.Namespace):
         from ..speculative.config import SpeculativeConfig
 
         speculative = SpeculativeConfig.parse(speculative)  # before loading: bad configs fail fast
-    config = early_exit_config(args) if hasattr(args, "no_exit") else None
-    quantization = quantization_mode(args)
+    return dict(model=model_dir, device=args.device, dtype=args.dtype, quantization=quantization_mode(args),
+                early_exit=early_exit_config(args) if hasattr(args, "no_exit") else None,
+                speculative_config=speculative, threads=args.threads,
+                kv_cache_memory=getattr(args, "kv_cache_memory", None),
+                swap_space=getattr(args, "swap_space", DEFAULT_SWAP_SPACE),
+                enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **scheduling(args))
+
+
+def load_llm(args: argparse.Namespace, options: dict | None = None):
+    """Build the LLM the command asked for (the single place model-loading options are read); options:
+    `llm_options(args)`, where the command checked them already."""
+    from ..engine.llm import LLM
+    from ..model.quant import QuantizationError
+
+    options = llm_options(args) if options is None else options
     try:
-        llm = LLM(model_dir, device=args.device, dtype=args.dtype, early_exit=config, quantization=quantization,
-                  speculative_config=speculative, threads=args.threads,
-                  kv_cache_memory=getattr(args, "kv_cache_memory", None),
-                  swap_space=getattr(args, "swap_space", DEFAULT_SWAP_SPACE),
-                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **scheduling(args))
+        llm = LLM(**options)
     except QuantizationError as e:
-        raise CLIError(f"--quantization {quantization}: {e}; --quantization none runs float weights") from None
+        raise CLIError(f"--quantization {options['quantization']}: {e}; --quantization none runs float weights") \
+            from None
     if args.quantization:
         note(f"{llm.model.weight_formats()} weights: {llm.model.weight_bytes() / 2**20:.1f} MiB resident")
     llm.calibrate()  # early exit's bank, once per model + drafter, with its progress bars

@@ -8,7 +8,7 @@ import socket
 
 from ..engine.scheduling import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
 from .arg_types import port_number, positive_int, prefill_chunk_arg
-from .args import CLIError, add_early_exit_args, add_model_args, add_speculative_args, load_llm, resolve_model_dir
+from .args import CLIError, add_early_exit_args, add_model_args, add_speculative_args, llm_options, load_llm
 
 API_KEY_ENV = "SPECEE_API_KEY"
 
@@ -53,9 +53,9 @@ def served_name(model_dir) -> str:
     return model_dir.stem if model_dir.suffix == ".gguf" else model_dir.name
 
 
-def load_warm_llm(args: argparse.Namespace):
+def load_warm_llm(args: argparse.Namespace, options: dict | None = None):
     """The LLM a server serves, warmed up (`LLM.warm_up`) before it reports ready."""
-    llm = load_llm(args)
+    llm = load_llm(args, options)
     llm.warm_up()
     return llm
 
@@ -92,7 +92,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        "'Authorization: Bearer' header would pass; give a key, or leave it unset for none")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise CLIError("--served-model-name is empty: clients name the model they ask for")
-    model_dir = resolve_model_dir(args.model, args.revision)  # a wrong path fails before the server starts
+    options = llm_options(args)  # a wrong path or flag fails before the server starts
+    model_dir = options["model"]
     # (--max-num-seqs reaches the engine with the LLM's other scheduling settings: cli/args.py's scheduling)
     app_options = dict(model_name=args.served_model_name or served_name(model_dir), api_key=args.api_key,
                        max_queue=args.max_queue)
@@ -106,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         failed.append(message)
         server.should_exit = True
 
-    app = create_app(load=lambda: load_warm_llm(args), on_load_error=on_load_error, **app_options)
+    app = create_app(load=lambda: load_warm_llm(args, options), on_load_error=on_load_error, **app_options)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=3))
     server.run()
     if failed:

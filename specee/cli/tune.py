@@ -8,6 +8,8 @@ from pathlib import Path
 from .arg_types import MAX_K, positive_int
 from .args import CLIError, add_model_args, load_llm, note, resolve_model_dir
 
+DEFAULT_PROMPTS = 4  # prompts `specee tune` times on by default
+
 
 def lengths_arg(value: str) -> tuple[int, ...]:
     """--lengths: distinct speculative lengths, 1 to MAX_K."""
@@ -39,8 +41,9 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
                         "target's tokenizer (n-gram lookup is always measured)")
     g.add_argument("--lengths", type=lengths_arg, default=LENGTHS, metavar="N,N,...",
                    help=f"speculative tokens per step to try (default: {','.join(map(str, LENGTHS))})")
-    g.add_argument("--prompts", type=positive_int, default=4, metavar="N",
-                   help=f"prompts to time on (default: 4 of the {len(BUILTIN_PROMPTS)} built-in ones, or of --prompt-file)")
+    g.add_argument("--prompts", type=positive_int, default=None, metavar="N",
+                   help=f"prompts to time on (default: {DEFAULT_PROMPTS} of the {len(BUILTIN_PROMPTS)} built-in ones, or of "
+                        "--prompt-file, all of its prompts where it has fewer)")
     g.add_argument("--prompt-file", metavar="PATH", default=None,
                    help="time on your own prompts: JSONL / JSON records (Spec-Bench, MT-Bench, alpaca style) or one "
                         "prompt per line")
@@ -68,6 +71,10 @@ def prompt_texts(args: argparse.Namespace) -> list[str]:
         except BenchError as e:
             raise CLIError(f"--prompt-file: {e}") from None
         source = f"prompts in {args.prompt_file}"
+        if not texts:
+            raise CLIError(f"--prompt-file: no prompts in {args.prompt_file}")
+    if args.prompts is None:
+        return texts[:DEFAULT_PROMPTS]
     if args.prompts > len(texts):
         raise CLIError(f"--prompts {args.prompts}: there are {len(texts)} {source}"
                        + ("" if args.prompt_file else " (--prompt-file PATH times on more)"))

@@ -238,7 +238,7 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_dir: str | Pa
         shown = ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in list(diff.items())[:4])
         problems.append(f"special tokens differ (target vs draft): {shown}")
     if problems:
-        sizes = f"{len(tv)} vs {len(dv)} tokens" if len(tv) != len(dv) else "special tokens or ids differ"
+        sizes = f"{len(dv)} tokens vs {len(tv)}" if len(tv) != len(dv) else "special tokens or ids differ"
         raise DrafterMismatchError(
             f"draft {draft_name} has another tokenizer than target {target_name} ({sizes}); a drafter must share "
             "the target's tokenizer: use a draft model of the same family, or ngram", "; ".join(problems))
