@@ -273,10 +273,10 @@ def test_a_new_engine_takes_over_the_last_ones_pool_where_it_fits(checkpoints, q
 
 def test_kv_budget_is_parsed_from_tokens_or_a_size(llm):
     cfg, dtype = llm.model.cfg, torch.float32
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 + cfg.num_layers  # K, V and fill flags
     assert parse_kv_budget(1000, cfg, dtype) == 1000
-    assert parse_kv_budget("1MiB", cfg, dtype) == (1 << 20) // per_token
-    assert parse_kv_budget("2 GB", cfg, dtype) == (2 << 30) // per_token
+    assert parse_kv_budget("1MiB", cfg, dtype) == (1 << 20) // per_token // 16 * 16  # whole blocks within it
+    assert parse_kv_budget("2 GB", cfg, dtype) == (2 << 30) // per_token // 16 * 16
     assert parse_kv_budget(None, cfg, dtype) >= cfg.context_limit
     for bad in ("lots", "-1MiB", "0", "2000TiB", 10**18):  # past 1 PiB: an OverflowError traceback once
         with pytest.raises(ValueError, match="--kv-cache-memory"):
@@ -311,6 +311,17 @@ def test_the_default_pool_holds_a_full_context_request_with_its_draft_rows(check
     prompt = [3, 4, 5, 6]
     out = llm.generate([prompt], SamplingParams(max_tokens=limit - len(prompt), ignore_eos=True))[0]
     assert len(out.token_ids) == limit - len(prompt) and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("budget", ["1MiB", "1GiB"])
+def test_a_byte_budget_bounds_the_pool_with_its_fill_flags(checkpoints, budget):
+    """Tokens were rounded up to whole blocks and the fill flags not counted: 1 MiB made a 1,105,920-byte pool."""
+    from specee.engine.kv_manager import size_bytes
+
+    kv = LLM(checkpoints[0], dtype="float32", quantization=None, kv_cache_memory=budget).engine.kv
+    pool = kv.k.nbytes + kv.v.nbytes + kv.filled.nbytes
+    per_block = pool // kv.num_blocks
+    assert size_bytes(budget) - per_block < pool <= size_bytes(budget)
 
 
 def test_a_kv_pool_that_cannot_be_allocated_names_the_flag(checkpoints):

@@ -51,7 +51,8 @@ def size_bytes(value: str) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    """A slot's K and V in every layer, and its per-layer fill flag."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize + cfg.num_layers
 
 
 def check_kv_budget(value: int | str | None) -> None:
@@ -73,10 +74,11 @@ def parse_kv_budget(value: int | str | None, cfg: ModelConfig, dtype: torch.dtyp
     per_token = kv_bytes_per_token(cfg, dtype)
     if value is None:
         return max(cfg.context_limit + extra_rows, DEFAULT_KV_MEMORY // per_token)
-    tokens = value if isinstance(value, int) else size_bytes(value) // per_token
+    # a size in bytes is a bound: whole blocks within it (the pool is made of blocks)
+    tokens = value if isinstance(value, int) else size_bytes(value) // per_token // BLOCK_SIZE * BLOCK_SIZE
     if tokens < 1:
-        raise ValueError(f"kv_cache_memory (--kv-cache-memory) holds no token ({per_token} bytes per token for "
-                         f"this model)")
+        raise ValueError(f"kv_cache_memory (--kv-cache-memory) holds no block of {BLOCK_SIZE} tokens ({per_token} "
+                         f"bytes per token for this model)")
     if tokens * per_token > MAX_KV_MEMORY:
         raise ValueError(f"kv_cache_memory (--kv-cache-memory): {tokens} tokens are past 1 PiB for this model")
     return tokens
