@@ -58,6 +58,9 @@ def no_model_loads(monkeypatch):
     (["bench", "sweep", "--offline-sizes=-1"], ["--offline-sizes must be >= 0"]),
     (["generate"], ["required: --prompt", "specee generate --help"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+    (["generate", "--prompt", "hi", "--max-tokens", "3"],  # named `specee --help`
+     ["generate: unrecognized arguments: --max-tokens 3", "`specee generate --help`"]),
+    (["bench", "speed", "--bogus"], ["bench speed: unrecognized arguments: --bogus", "`specee bench speed --help`"]),
     (["bench", "speed", "--threshold-scale", "0"], ["bench speed", "--threshold-scale"]),
     (["generate", "--prompt", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 100000}'],
      ["num_speculative_tokens", "100000"]),

@@ -28,6 +28,22 @@ class CLIError(Exception):
 class Parser(argparse.ArgumentParser):
     """argparse with a usage error as the one line every other error is (`--help` shows the usage)."""
 
+    def parse_args(self, args=None, namespace=None):
+        """Unknown flags are named against the command they were given to (argparse's top level named
+        `specee --help` for `specee generate --bogus`)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.command_parser(ns).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+    def command_parser(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        """The (sub)command's own parser that `ns` was parsed by."""
+        parser = self
+        while (sub := next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)) \
+                and getattr(ns, sub.dest, None) in sub.choices:
+            parser = sub.choices[getattr(ns, sub.dest)]
+        return parser
+
     def error(self, message: str):
         command = self.prog.removeprefix(PROG).strip()
         self.exit(EXIT_USAGE, f"{PROG}: error: {command + ': ' if command else ''}{message} "
