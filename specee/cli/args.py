@@ -3,6 +3,7 @@ the converters that check each flag's value live in `arg_types`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -195,10 +196,9 @@ def default_draft(model_dir: Path) -> Path | None:
     return None
 
 
-# early exit's flags with their defaults: one set without --draft runs nothing it says (full depth)
-EXIT_FLAGS = (("--kv-policy", "kv_policy", "recompute"), ("--k", "k", 4), ("--threshold-scale", "threshold_scale", 1.0),
-              ("--max-pending", "max_pending", 8), ("--offline-size", "offline_size", None),
-              ("--online-window", "online_window", 4))
+# early exit's flags (EarlyExitConfig's fields, their defaults its own): one given without --draft says what
+# full depth does not do
+EXIT_FLAGS = ("bank", "mode", "kv_policy", "k", "threshold_scale", "max_pending", "offline_size", "online_window")
 
 
 def early_exit_config(args: argparse.Namespace):
@@ -208,10 +208,11 @@ def early_exit_config(args: argparse.Namespace):
     if getattr(args, "no_exit", True):
         return None
     if args.draft is None:
-        tuned = [f"{flag} {getattr(args, name)}" for flag, name, default in EXIT_FLAGS if getattr(args, name) != default]
-        if args.bank is not None or args.mode == "lossless" or tuned:
-            given = "--bank" if args.bank is not None else "--mode lossless" if args.mode == "lossless" else tuned[0]
-            raise CLIError(f"{given} is early exit, which needs a drafter: pass --draft DIR (a draft model) or "
+        defaults = {f.name: f.default for f in dataclasses.fields(EarlyExitConfig)}
+        given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in EXIT_FLAGS
+                 if getattr(args, name) != defaults[name]]
+        if given:
+            raise CLIError(f"{given[0]} is early exit, which needs a drafter: pass --draft DIR (a draft model) or "
                            "--draft ngram")
         return None
     if args.mode == "lossless" and args.kv_policy != LOSSLESS_KV_POLICY:  # EarlyExitConfig's rule, in flags

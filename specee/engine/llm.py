@@ -162,18 +162,11 @@ class LLM:
         self._reconfigure(kv_cache_memory=tokens + self.engine.decoding.extra_rows)
 
     def warm_up(self) -> None:
-        """Write the whole KV pool once and decode one token of a one-token prompt, for a process that
-        serves requests later (`serve`), before it says it is ready, as vLLM and llama.cpp reserve their
-        caches at start. A pool's pages are faulted in as runs first reach them (the layout `fit_kv_cache`
-        describes: SmolLM2's first request took 0.52 s, the next 0.01 s, Intel Xeon VM), and with prefix
-        caching runs move on through the pool as prompts stay cached: each of the first hundred or so
-        SmolLM2 requests took ~50 ms more to admit (AMD EPYC Zen 3 VM) until the whole pool had been touched.
-        Refused while requests are in flight (it writes the free blocks the engine thread takes runs from)."""
-        with _WORKER_LOCK:  # no engine thread started, or none taking requests, while it writes
-            if getattr(self, "_worker", None) is None:
-                self.engine.kv.touch()
-            else:
-                self._worker.while_idle(self.engine.kv.touch)
+        """Write the whole KV pool and decode one token, for a process that serves later (`serve`), before it
+        says it is ready, as vLLM and llama.cpp reserve their caches: pages fault in as runs first reach them
+        (SmolLM2's first request 0.52 s, the next 0.01 s; with prefix caching ~50 ms an admission for the first
+        hundred). Refused while requests are in flight (it writes the blocks their runs come from)."""
+        self.worker.while_idle(self.engine.kv.touch)  # no request takes a run while it writes
         self.generate([[0]], SamplingParams(max_tokens=1, ignore_eos=True))
 
     def _require_idle(self) -> None:
@@ -183,11 +176,9 @@ class LLM:
             raise RuntimeError(IN_FLIGHT)
 
     def _reconfigure(self, **settings) -> None:
-        """Set these attributes and decode with a new engine for them: early exit, speculative decoding or
-        full depth (on the last engine's KV pool where it fits: its pages are in already). All or nothing,
-        under the lock that starts the engine thread: refused (IN_FLIGHT) while requests are in flight, and
-        then nothing changed (a change racing a first request was lost, or left `engine` and `scheduling`
-        saying what the engine thread did not decode with)."""
+        """Set these attributes and decode with a new engine for them (on the last engine's KV pool where it
+        fits: its pages are in already). All or nothing, under the lock that starts the engine thread:
+        refused (IN_FLIGHT) while requests are in flight, and then nothing changed."""
         with _WORKER_LOCK:
             self._require_idle()
             before = {name: getattr(self, name) for name in settings}
@@ -251,11 +242,17 @@ class LLM:
             return NGramDrafter(1, self.model.cfg.vocab_size, self.model.device).fingerprint
         return fingerprint_weights(resolve_model(draft, what="draft model"))
 
+    @property
+    def weights_quantization(self) -> str | None:
+        """The quantization asked for where the weights hold it; None where they are float ("auto" keeps a
+        float checkpoint float)."""
+        return self.quantization if self.model.quantized else None
+
     def bank_cache_path(self, drafter_fingerprint: str, k: int) -> Path:
         """Where the bank for this target + drafter (its fingerprint) + k + dtype is cached; the suffix
         names the calibration recipe, so banks cached by an older recipe are not reused."""
         dtype = str(self.model.dtype).removeprefix("torch.")
-        quant = f"-{self.quantization}" if self.model.quantized else ""  # quantized weights move the features
+        quant = f"-{self.weights_quantization}" if self.weights_quantization else ""  # they move the features
         return default_cache_dir() / "banks" / f"{self.fingerprint}-{drafter_fingerprint}-k{k}-{dtype}{quant}-{BANK_RECIPE}"
 
     def calibrate(self) -> Path | None:

@@ -164,7 +164,7 @@ def make_decoder(llm, config: SpeculativeConfig | dict[str, Any]):
 
     config = SpeculativeConfig.parse(config)
     model = llm.model
-    drafts_quantized = config.draft_quantization(llm.quantization if model.quantized else None)
+    drafts_quantized = config.draft_quantization(llm.weights_quantization)
     if config.method == "ngram":
         drafter = NGramDrafter(1, model.cfg.vocab_size, model.device, max_ngram=config.prompt_lookup_max,
                                min_ngram=min(config.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MIN, config.prompt_lookup_max))
