@@ -51,8 +51,8 @@ def stories():
 def mode(request, smollm):
     llm, _ = smollm
     llm.enable_speculative(MODES[request.param])
-    if llm.speculative is not None:  # every step drafts: the gate, timing a busy machine, might not
-        llm.speculative.gate = None
+    if llm.speculative is not None:  # every step drafts: the gates, timing a busy machine, might not
+        llm.speculative.gate = llm.speculative.row_gate = None
     yield request.param
     llm.enable_speculative(None)
 

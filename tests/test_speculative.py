@@ -766,22 +766,35 @@ def test_a_step_where_no_request_has_room_to_draft_is_not_measured_as_drafting(t
     assert measured == [2] * 4  # the gate measured the 4, not the last
 
 
-def test_the_gate_sees_only_steps_with_decoding_requests(tiny_llm):
+@pytest.mark.parametrize("gate", ["speculation", "row"])
+def test_the_gates_see_only_steps_with_decoding_requests(tiny_llm, gate):
     """A step of prefills alone (a new request's prompt, or the parts of a long one) drafts nothing and
-    is not one of the gate's steps: counted as batch 1's, it moved that batch's next try."""
+    is not one of the gates' steps: counted as batch 1's, it moved that batch's next try (the
+    speculation gate, a draft model's) or its row cost (the row gate, n-gram's)."""
     llm = tiny_llm("llama2")
     model, params = llm.model, SamplingParams(max_tokens=5, ignore_eos=True)
-    decoding = SpeculativeDecoding(model, NGramDrafter(3, model.cfg.vocab_size), 3)
-    seen = []
-    begin_step = decoding.gate.begin_step
-    decoding.gate.begin_step = lambda batch_size, pending=0: seen.append(batch_size) or begin_step(batch_size, pending)
-    engine = Engine(model, decoding, prefill_chunk=32)
     ids = llm.tokenizer.encode("a b c d " * 20)
     assert len(ids) > 64  # prefilled in parts over two steps or more
+    seen = []
+    if gate == "speculation":
+        greedy = llm.generate([ids], params)[0].token_ids
+        decoding = SpeculativeDecoding(model, ScriptedDrafter(len(ids), greedy, model.cfg.vocab_size, shift=1), 3)
+        begin_step = decoding.gate.begin_step
+        decoding.gate.begin_step = lambda batch_size, pending=0: seen.append(batch_size) or begin_step(batch_size, pending)
+    else:
+        decoding = SpeculativeDecoding(model, NGramDrafter(3, model.cfg.vocab_size), 3)
+        assert decoding.gate is None
+        end_step = decoding.row_gate.end_step
+        decoding.row_gate.end_step = lambda seconds: seen.append(decoding.row_gate.rows) or end_step(seconds)
+    engine = Engine(model, decoding, prefill_chunk=32)
     engine.add_request(Sequence(ids, list(ids), params, llm.tokenizer, frozenset()))
     while engine.has_unfinished():
         engine.step()
-    assert seen == [1] * 4, seen  # the 4 decode steps after the prefill's first token
+    if gate == "speculation":
+        assert seen == [1] * 4, seen  # the 4 decode steps after the prefill's first token
+    else:  # the 4 decode steps, each of the request's row and its drafts
+        assert len(seen) == 4 and all(1 <= rows <= 4 for rows in seen), seen
+        assert decoding.row_gate.cost.sums[0] == pytest.approx(sum(0.99 ** k for k in range(4)))
 
 
 def test_a_drafting_step_after_plain_ones_is_not_what_drafting_costs():

@@ -140,6 +140,8 @@ class Drafter(ABC):
 
     # ---- speculative decoding ----------------------------------------------------------------
     feature_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (EAGLE)
+    free_chains = False  # a chain is a lookup, not a forward: the row gate (speculative/row_gate.py) looks up
+    # `chain(n)` where a draft may pay; `match` is the last chain's matched suffix, at most `max_ngram`
 
     def begin(self, history: list[int], features: torch.Tensor | None = None) -> None:
         """Start a request whose history (prompt + the prefill's token) is `history`; features:

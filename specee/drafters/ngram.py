@@ -10,9 +10,9 @@ is vLLM's prompt lookup: the tokens that followed the latest earlier occurrence 
 history's longest matching suffix, as a chain.
 
 Speculative decoding's chain searches the history when it drafts (a vectorised scan for the
-latest earlier occurrence of the suffix), so a step that does not draft only appends its tokens:
-the follow tables cost ~8 us a token (Intel Xeon), 1% of an 8-request SmolLM2 step that the
-speculation gate keeps plain. The follow tables, which SpecEE's top-k candidates need (counts and
+latest earlier occurrence of the suffix, ~7 us), so a step that does not draft only appends its
+tokens: the follow tables cost ~8 us a token (Intel Xeon), 1% of an 8-request SmolLM2 step that the
+row gate (speculative/row_gate.py) keeps plain. The follow tables, which SpecEE's top-k candidates need (counts and
 recency), are indexed lazily up to the history's end when `candidates` asks; `truncate` drops them
 when a rollback reaches below what they cover (rollbacks are rare); `row_candidates` pushes a
 draft's tokens with a journal and undoes them exactly.
@@ -33,6 +33,8 @@ _MISSING = object()  # a journal's "this key did not exist"
 
 
 class NGramDrafter(Drafter):
+    free_chains = True
+
     def __init__(self, k: int, vocab_size: int, device: str | torch.device = "cpu", max_ngram: int = 3,
                  min_ngram: int = 1):
         """min_ngram: the shortest suffix match a chain copies from (vLLM's prompt_lookup_min); the
@@ -43,6 +45,7 @@ class NGramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.k, self.vocab_size, self.max_ngram, self.min_ngram = k, vocab_size, max_ngram, min_ngram
         self.device = torch.device(device)
+        self.match = 0  # the last chain's matched suffix (tokens; 0: no chain)
         self.name = f"ngram-n{max_ngram}"
         self.fingerprint = f"ngram-n{max_ngram}"
         self._clear()
@@ -128,6 +131,7 @@ class NGramDrafter(Drafter):
         longest matching suffix (max_ngram tokens, then shorter); [] when no suffix of min_ngram
         tokens or more matches."""
         hist, m = self._history, len(self._history)
+        self.match = 0
         if m <= self.min_ngram:
             return []
         if self._ids.shape[0] < m:
@@ -148,6 +152,7 @@ class NGramDrafter(Drafter):
         if size < self.min_ngram:
             return []
         start = int(best[-1]) + 1  # after the latest
+        self.match = size
         return hist[start : start + n]
 
     def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:

@@ -25,8 +25,9 @@ class FullDepth:
     def __init__(self, model: Transformer):
         self.model = model
 
-    def begin_step(self, batch: list[Running]) -> None:
-        """A step of these requests begins (those past their prefill decode in it)."""
+    def begin_step(self, batch: list[Running], waiting: bool = False) -> None:
+        """A step of these requests begins (those past their prefill decode in it); waiting: whether
+        other requests wait for a slot or for blocks."""
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step of only decoding requests emitted `tokens` in `seconds`."""

@@ -89,7 +89,7 @@ class Engine:
         if batch:
             t0 = device_time(self.model.device)
             decoding = sum(r.prefilled for r in batch)
-            self.decoding.begin_step(batch)
+            self.decoding.begin_step(batch, bool(self.scheduler.waiting or self.scheduler.parked))
             plans = [self._plan(r, t0) for r in batch]
             h, features, rows = self.runner.forward([s for p in plans for s in p], self.decoding.feature_layers)
             emitted = self._commit(batch, *self._deciding(plans, rows), h, features)

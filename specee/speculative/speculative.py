@@ -12,7 +12,8 @@ Per request and step, top to bottom:
      consumes the emitted tokens.
 Requests speculate side by side in one batch, each with a drafter of its own (`Drafter.fork`); the
 step's chains, or trees, are drafted together before step 1 (`begin_step`: a drafter that runs a
-model, or the EAGLE head, batches its forwards across the requests).
+model, or the EAGLE head, batches its forwards across the requests). Whether they draft: per request
+by the row gate where chains are lookups (n-gram), else per step by the speculation gate.
 Greedy output equals full-depth greedy; sampled output has the target's distribution.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..engine.sequence import Sequence
 from ..model.llama import Transformer
 from ..sampling import sample
 from .gate import SpeculationGate
+from .row_gate import RowGate, Shadow
 from .tree import Tree, TreeGrower, TreeShape, compact, tree_inputs
 from .verify import accept_tree, verify_chain
 
@@ -83,6 +85,8 @@ class SpecState:
     draft: Draft | None = None
     tree: Tree | None = None
     start: int = 0  # the slot of x_n in this step
+    match: int = 0  # the matched suffix of this step's chain (a drafter with free chains)
+    shadow: Shadow | None = None  # a chain looked up but not drafted, checked against what comes
 
     @property
     def plain(self) -> bool:
@@ -95,22 +99,28 @@ class SpeculativeDecoding(FullDepth):
 
     def __init__(self, model: Transformer, drafter: Drafter, num_tokens: int, tree: TreeShape | None = None,
                  method: str = "", gated: bool = True):
-        """gated: a SpeculationGate decides per step whether to draft (False: every step drafts)."""
+        """gated: the row gate picks each step's drafts where chains are free lookups (n-gram chains),
+        else a SpeculationGate decides per step whether to draft (False: every step drafts)."""
         super().__init__(model)
         self.drafter, self.num_tokens, self.method = drafter, num_tokens, method
         self.grower = None if tree is None else TreeGrower(tree, model.device)
         self.extra_rows = num_tokens + 1 if tree is None else tree.size + 1
         self.feature_layers = drafter.feature_layers
         self.width = model.cfg.vocab_size
-        self.gate = SpeculationGate() if gated else None
+        by_row = gated and tree is None and drafter.free_chains
+        self.row_gate = RowGate(drafter.max_ngram, num_tokens) if by_row else None
+        self.gate = SpeculationGate() if gated and not by_row else None
         self.drafting = True  # this step's requests draft (the gate's choice)
         self.pending, self.draft_seconds = 0, 0.0  # this step's tokens the drafters ran first, and drafting's time
         self.drafted_any = False  # some request of this step has a draft token (a tree or a non-empty chain)
 
-    def begin_step(self, batch: list[Running]) -> None:
+    def begin_step(self, batch: list[Running], waiting: bool = False) -> None:
         """The gate's choice for this batch size; then every decoding request's tree, or chain, in one
         call of the drafter (a drafter that runs a model batches its forwards across the requests)."""
         decoding = [r for r in batch if r.prefilled]
+        if self.row_gate is not None:
+            self.drafting = False  # `plan` drafts nothing: the row gate chose the drafts here
+            return self.draft_rows(decoding, waiting) if decoding else None
         self.pending = sum(r.state.drafter.pending() for r in decoding) if self.gate is not None else 0
         # a step of prefills alone is not the gate's: it counted towards batch 1's next try
         self.drafting = bool(decoding) and (self.gate is None or self.gate.begin_step(len(decoding), self.pending))
@@ -138,6 +148,29 @@ class SpeculativeDecoding(FullDepth):
         for r in ready:
             r.state.stats.draft_seconds += share
 
+    def draft_rows(self, decoding: list[Running], waiting: bool) -> None:
+        """The drafts the row gate finds paying; a request whose chain it looked up and did not draft
+        keeps that chain as a shadow, to learn from."""
+        t0 = device_time(self.model.device)
+        rooms = [self.room(r) for r in decoding]
+
+        def look(i: int) -> tuple[int, list[int]]:
+            drafter = decoding[i].state.drafter
+            ids = drafter.chain(min(self.num_tokens, rooms[i]))
+            return (drafter.match if ids else 0), ids
+
+        drafts = self.row_gate.choose(rooms, waiting, look)
+        for i, ids in enumerate(drafts):
+            st = decoding[i].state
+            if ids:
+                st.match = self.row_gate.looked[i][0]
+                st.draft = Draft(torch.tensor(ids, dtype=torch.long, device=self.model.device), ids=ids)
+            elif i in self.row_gate.looked and self.row_gate.looked[i][1] and st.shadow is None:
+                st.shadow = Shadow(*self.row_gate.looked[i])
+        self.draft_seconds = device_time(self.model.device) - t0
+        for r in decoding:
+            r.state.stats.draft_seconds += self.draft_seconds / len(decoding)
+
     @staticmethod
     def room(r: Running) -> int:
         """Drafts the request could still emit after this step's own token."""
@@ -149,7 +182,9 @@ class SpeculativeDecoding(FullDepth):
         # ending together made drafts look cheap (the next batch drafted at a loss for 12 steps),
         # and steps without a match diluted what drafts pay at one request; a try lasts until a
         # step that drafted is measured
-        if self.gate is not None and (self.drafted_any or not self.drafting):
+        if self.row_gate is not None:
+            self.row_gate.end_step(seconds)
+        elif self.gate is not None and (self.drafted_any or not self.drafting):
             if self.drafting:
                 self.gate.drafted(self.pending, self.draft_seconds)
             self.gate.end_step(tokens, seconds)
@@ -224,6 +259,9 @@ class SpeculativeDecoding(FullDepth):
             if features is not None:
                 features = features[: accepted + 1]
         st.stats.record(drafted, accepted)
+        if self.row_gate is not None:
+            self.row_gate.verified(st.match, drafted, accepted)
+            st.shadow = self.row_gate.follow(st.shadow, emitted)
         st.drafter.commit(emitted, accepted, None if features is None else features[None])
         st.draft = st.tree = None
         return emitted

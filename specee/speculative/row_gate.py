@@ -1,0 +1,144 @@
+"""Which requests of a step draft, and how many tokens, where a chain costs nothing to look up (n-gram).
+
+A draft token is one more row of the step's forward: it costs what a row costs (b, from `StepCost`, a
+line a + b * rows through recent decode steps), and it is accepted with a chance that `Acceptance`
+counts per length of the matched suffix (session 35: 1-token matches accept 0.10 a row, 3-token
+ones 0.65), from verified chains and from chains looked up but not drafted, checked against what the
+request emitted next. An accepted token saves what it is worth later:
+- its own row in a later step (b), always;
+- a step's fixed cost (a), as far as it brings the batch's end closer: a B-th of a step for each
+  token while requests wait (a slot comes free sooner); with nobody waiting, a whole step for the
+  request the batch waits for (the most tokens left), times the chance that the others tied with it
+  draft an accepted token too (all of them must move for the end to), and nothing for the others:
+  their lead only moves their work earlier (a closed batch of 8 ran 7% slower drafting them).
+A draft pays when chance * worth > b. So one request drafts what is likely enough; a compute-bound
+batch (b large against a) drafts little; neither is tried. Drafters whose chains cost a forward are
+switched by trying (gate.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class Acceptance:
+    """Decayed counts, per match length and draft position, of positions reached and accepted; a
+    chance is (accepted + 1) / (reached + 2) (an unseen position: one half)."""
+
+    def __init__(self, max_match: int, positions: int, decay: float = 0.998):
+        self.decay = decay
+        self.accepted = [[0.0] * positions for _ in range(max_match + 1)]
+        self.seen = [[0.0] * positions for _ in range(max_match + 1)]
+
+    def record(self, match: int, drafted: int, accepted: int) -> None:
+        """A chain of `drafted` tokens from a `match`-token suffix had its first `accepted` accepted."""
+        acc, seen = self.accepted[match], self.seen[match]
+        for j in range(min(accepted + 1, drafted)):  # positions after the first rejection were not reached
+            acc[j] = acc[j] * self.decay + (j < accepted)
+            seen[j] = seen[j] * self.decay + 1
+
+    def best_first(self) -> float:
+        """The highest chance of a chain's first draft, over match lengths."""
+        return max((a[0] + 1) / (s[0] + 2) for a, s in zip(self.accepted[1:], self.seen[1:]))
+
+    def chances(self, match: int, length: int) -> list[float]:
+        """The chance that the first j + 1 drafts are all accepted, for j < length."""
+        out, p = [], 1.0
+        for a, s in zip(self.accepted[match][:length], self.seen[match][:length]):
+            p *= (a + 1) / (s + 2)
+            out.append(p)
+        return out
+
+
+@dataclass
+class StepCost:
+    """seconds = a + b * rows, a least-squares line through decode steps, weighted towards recent ones
+    (b: unknown, 0, until their rows have varied)."""
+
+    decay: float = 0.99
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, x, y, xx, xy
+    a: float = 0.0
+    b: float = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        s, d = self.sums, self.decay
+        for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            s[i] = s[i] * d + v
+        n, x, y, xx, xy = s
+        spread = n * xx - x * x
+        if spread > 1e-3 * n * n:  # rows varied enough to see a slope
+            self.b = max((n * xy - x * y) / spread, 0.0)
+        self.a = max(y / n - self.b * x / n, 0.0)
+
+    @property
+    def known(self) -> bool:
+        return self.b > 0
+
+
+@dataclass
+class Shadow:
+    """A chain a row looked up but did not draft, checked against the tokens the row emits next."""
+
+    match: int
+    tokens: list[int]
+    checked: int = 0
+
+
+class RowGate:
+    """max_match: the drafter's longest suffix; positions: the most drafts a chain has."""
+
+    def __init__(self, max_match: int, positions: int):
+        self.acceptance = Acceptance(max_match, positions)
+        self.cost = StepCost()
+        self.rows = 0  # this step's rows (its requests and their drafts)
+        self.looked: dict[int, tuple[int, list[int]]] = {}  # this step's chains looked up, by request
+
+    def choose(self, rooms: list[int], waiting: bool, look: Callable[[int], tuple[int, list[int]]]) -> list[list[int]]:
+        """Each request's drafts, for the tokens each may still draft (`rooms`) and `look(i)`, its
+        chain's (match length, tokens); a request whose chain was looked up and not drafted keeps
+        it in `looked`. Chains are looked up only where a draft may pay (every position drafts while
+        a row's cost is not known yet)."""
+        a, b, known = self.cost.a, self.cost.b, self.cost.known
+        best = self.acceptance.best_first()
+        top = max(rooms, default=0)
+        if waiting:
+            candidates = [i for i, room in enumerate(rooms) if room > 0]
+            pays = best * (b + a / len(rooms)) > b
+        else:  # every tied request must move for the batch's end to: one without a chain stops the search
+            candidates = [i for i, room in enumerate(rooms) if room == top and room > 0]
+            pays = best * (b + a * best ** (len(candidates) - 1)) > b
+        self.looked = {}
+        for i in candidates if pays or not known else []:
+            self.looked[i] = look(i)
+            if not waiting and not self.looked[i][1]:
+                break  # the batch's end cannot move this step: no share below pays
+        chances = {i: self.acceptance.chances(match, len(ids)) for i, (match, ids) in self.looked.items()}
+        takes = {}
+        for i, ch in chances.items():
+            share = 1 / len(rooms) if waiting else math.prod(chances[j][0] if chances[j] else 0.0 for j in chances if j != i)
+            takes[i] = sum(1 for p in ch if p * (b + a * share) > b) if known else len(ch)
+        self.rows = len(rooms) + sum(takes.values())
+        return [self.looked[i][1][: takes[i]] if takes.get(i) else [] for i in range(len(rooms))]
+
+    def verified(self, match: int, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.acceptance.record(match, drafted, accepted)
+
+    def follow(self, shadow: Shadow | None, emitted: list[int]) -> Shadow | None:
+        """Checks a row's shadow chain against its emitted tokens; None once it is settled."""
+        if shadow is None:
+            return None
+        for token in emitted:
+            if shadow.tokens[shadow.checked] != token:
+                break
+            shadow.checked += 1
+            if shadow.checked == len(shadow.tokens):
+                break
+        else:
+            return shadow
+        self.acceptance.record(shadow.match, len(shadow.tokens), shadow.checked)
+        return None
+
+    def end_step(self, seconds: float) -> None:
+        self.cost.add(self.rows, seconds)
