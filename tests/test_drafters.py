@@ -287,22 +287,22 @@ def test_drafting_several_forks_at_once_equals_each_alone(target_tok, quantizati
         assert d.propose().tolist() == e.propose().tolist()
 
 
-def _latest_longest_match(hist: list[int], max_ngram: int, n: int, min_ngram: int = 1) -> list[int]:
+def _latest_longest_match(hist: list[int], max_ngram: int, n: int, min_ngram: int = 1) -> tuple[int, list[int]]:
     """Prompt lookup spelled out: for the longest suffix (max_ngram tokens, then fewer, down to
-    min_ngram) with an earlier occurrence, the n tokens after its latest one."""
+    min_ngram) with an earlier occurrence, its size and the n tokens after its latest one."""
     for size in range(min(max_ngram, len(hist) - 1), min_ngram - 1, -1):
         suffix = hist[len(hist) - size:]
         for start in range(len(hist) - 1, size - 1, -1):  # the follower's position
             if hist[start - size : start] == suffix:
-                return hist[start : start + n]
-    return []
+                return size, hist[start : start + n]
+    return 0, []
 
 
 @pytest.mark.parametrize("max_ngram,min_ngram", [(1, 1), (2, 1), (3, 1), (4, 1), (3, 2), (3, 3)])
 def test_ngram_chain_is_the_latest_longest_match_through_steps_and_rollbacks(max_ngram, min_ngram):
-    """`chain` scans the history when it drafts (nothing is indexed per token): against the plain
-    search after every step, rollback and draft's candidate rows, with a small vocabulary so matches
-    of every length occur."""
+    """`chain` (and the size of the suffix it matched) against the plain search after every step,
+    rollback and draft's candidate rows (its table of latest occurrences is indexed lazily and built
+    again after a rollback), with a small vocabulary so matches of every length occur."""
     rng = random.Random(max_ngram)
     d = NGramDrafter(k=3, vocab_size=6, max_ngram=max_ngram, min_ngram=min_ngram)
     hist = [rng.randrange(6) for _ in range(rng.randrange(0, 5))]
@@ -311,7 +311,7 @@ def test_ngram_chain_is_the_latest_longest_match_through_steps_and_rollbacks(max
     for step in range(400):
         n = rng.randrange(1, 5)
         chain = d.chain(n)
-        assert chain == _latest_longest_match(hist, max_ngram, n, min_ngram), (step, hist)
+        assert (d.match, chain) == _latest_longest_match(hist, max_ngram, n, min_ngram), (step, hist)
         lengths.add(len(chain))
         action = rng.random()
         if action < 0.15 and hist:  # a rollback

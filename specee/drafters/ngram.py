@@ -9,9 +9,9 @@ copy from the prompt (summarisation, RAG, code editing). For speculative decodin
 is vLLM's prompt lookup: the tokens that followed the latest earlier occurrence of the
 history's longest matching suffix, as a chain.
 
-Speculative decoding's chain searches the history when it drafts (a vectorised scan for the
-latest earlier occurrence of the suffix, ~7 us), so a step that does not draft only appends its
-tokens: the follow tables cost ~8 us a token (Intel Xeon), 1% of an 8-request SmolLM2 step that the
+Speculative decoding's chain looks the suffix up in a table of each n-gram's latest occurrence,
+indexed lazily when a chain is asked for (a vectorised scan of the history took 26 us on a
+900-token one, 90 us inside a busy step); a step that does not draft only appends its tokens: the follow tables cost ~8 us a token (Intel Xeon), 1% of an 8-request SmolLM2 step that the
 row gate (speculative/row_gate.py) keeps plain. The follow tables, which SpecEE's top-k candidates need (counts and
 recency), are indexed lazily up to the history's end when `candidates` asks; `truncate` drops them
 when a rollback reaches below what they cover (rollbacks are rare); `row_candidates` pushes a
@@ -22,7 +22,6 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..sampling import SamplingParams
@@ -52,8 +51,10 @@ class NGramDrafter(Drafter):
 
     def _clear(self) -> None:
         self._history: list[int] = []
-        self._ids = np.zeros(256, dtype=np.int64)  # the history's first `_copied` tokens, for `chain`'s scan
-        self._copied = 0
+        # _latest[n-1][ngram] = the last position of its latest occurrence ending before the history's
+        # last token, over the n-grams ending before position `_ends`
+        self._latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_ngram)]
+        self._ends = 0
         # _follow[n-1][ngram] = {follower: [count, last position]}, over the history's first `_indexed` tokens
         self._follow: list[dict[tuple[int, ...], dict[int, list[int]]]] = [{} for _ in range(self.max_ngram)]
         self._freq: dict[int, list[int]] = {}  # token -> [count, last position]
@@ -132,28 +133,16 @@ class NGramDrafter(Drafter):
         tokens or more matches."""
         hist, m = self._history, len(self._history)
         self.match = 0
-        if m <= self.min_ngram:
-            return []
-        if self._ids.shape[0] < m:
-            self._ids = np.resize(self._ids, 2 * m)
-        self._ids[self._copied : m] = hist[self._copied :]
-        self._copied = m
-        ids = self._ids[:m]
-        ends = np.flatnonzero(ids[: m - 1] == hist[-1])  # earlier occurrences of the last token
-        if not ends.size:
-            return []
-        best, match, size = ends, ends, 1  # the occurrences of the longest suffix found so far, and its size
-        for longer in range(2, min(self.max_ngram, m) + 1):
-            match = match[match >= longer - 1]
-            match = match[ids[match - (longer - 1)] == hist[m - longer]]
-            if not match.size:
-                break
-            best, size = match, longer
-        if size < self.min_ngram:
-            return []
-        start = int(best[-1]) + 1  # after the latest
-        self.match = size
-        return hist[start : start + n]
+        for end in range(self._ends, m - 1):  # index the n-grams that end before the last token
+            for size in range(1, min(self.max_ngram, end + 1) + 1):
+                self._latest[size - 1][tuple(hist[end - size + 1 : end + 1])] = end
+        self._ends = max(self._ends, m - 1)
+        for size in range(min(self.max_ngram, m - 1), self.min_ngram - 1, -1):
+            end = self._latest[size - 1].get(tuple(hist[m - size :]))
+            if end is not None:
+                self.match = size
+                return hist[end + 1 : end + 1 + n]
+        return []
 
     def draft(self, n: int, params: SamplingParams, generator: torch.Generator | None, width: int) -> Draft:
         tokens = self.chain(n)
@@ -180,7 +169,8 @@ class NGramDrafter(Drafter):
         if not 0 <= length <= len(self._history):
             raise ValueError(f"cannot truncate a history of {len(self._history)} tokens to {length}")
         del self._history[length:]
-        self._copied = min(self._copied, length)
+        if self._ends > length - 1:  # an index of dropped tokens: build it again when asked
+            self._latest, self._ends = [{} for _ in range(self.max_ngram)], 0
         if self._indexed > length:  # the tables counted dropped tokens: index again when asked
             self._follow = [{} for _ in range(self.max_ngram)]
             self._freq, self._indexed = {}, 0

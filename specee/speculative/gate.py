@@ -1,4 +1,6 @@
-"""Whether a step speculates: measured, per batch size, as the step's emitted tokens per second.
+"""Whether a step speculates: measured, per batch size, as the step's emitted tokens per second
+(for drafters whose chains cost a forward, a draft model's or the EAGLE head's; n-gram chains are
+lookups, drafted request by request where they pay: row_gate.py).
 
 Extra draft rows are nearly free at batch 1 on a memory-bound machine and cost full price once the
 batch makes the products compute-bound; where that happens depends on the model, the CPU and the

@@ -121,14 +121,8 @@ class RowGate:
         self.rows = len(rooms) + sum(takes.values())
         return [self.looked[i][1][: takes[i]] if takes.get(i) else [] for i in range(len(rooms))]
 
-    def verified(self, match: int, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.acceptance.record(match, drafted, accepted)
-
-    def follow(self, shadow: Shadow | None, emitted: list[int]) -> Shadow | None:
-        """Checks a row's shadow chain against its emitted tokens; None once it is settled."""
-        if shadow is None:
-            return None
+    def follow(self, shadow: Shadow, emitted: list[int]) -> Shadow | None:
+        """Checks a request's shadow chain against the tokens it emitted; None once it is settled."""
         for token in emitted:
             if shadow.tokens[shadow.checked] != token:
                 break

@@ -160,13 +160,15 @@ class SpeculativeDecoding(FullDepth):
             return (drafter.match if ids else 0), ids
 
         drafts = self.row_gate.choose(rooms, waiting, look)
-        for i, ids in enumerate(drafts):
+        if not self.row_gate.looked:
+            return
+        for i, (match, ids) in self.row_gate.looked.items():
             st = decoding[i].state
-            if ids:
-                st.match = self.row_gate.looked[i][0]
-                st.draft = Draft(torch.tensor(ids, dtype=torch.long, device=self.model.device), ids=ids)
-            elif i in self.row_gate.looked and self.row_gate.looked[i][1] and st.shadow is None:
-                st.shadow = Shadow(*self.row_gate.looked[i])
+            if drafts[i]:
+                st.match = match
+                st.draft = Draft(torch.tensor(drafts[i], dtype=torch.long, device=self.model.device), ids=drafts[i])
+            elif ids and st.shadow is None:
+                st.shadow = Shadow(match, ids)
         self.draft_seconds = device_time(self.model.device) - t0
         for r in decoding:
             r.state.stats.draft_seconds += self.draft_seconds / len(decoding)
@@ -259,8 +261,9 @@ class SpeculativeDecoding(FullDepth):
             if features is not None:
                 features = features[: accepted + 1]
         st.stats.record(drafted, accepted)
-        if self.row_gate is not None:
-            self.row_gate.verified(st.match, drafted, accepted)
+        if self.row_gate is not None and drafted:
+            self.row_gate.acceptance.record(st.match, drafted, accepted)
+        if st.shadow is not None:
             st.shadow = self.row_gate.follow(st.shadow, emitted)
         st.drafter.commit(emitted, accepted, None if features is None else features[None])
         st.draft = st.tree = None
