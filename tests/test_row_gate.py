@@ -114,7 +114,8 @@ def sure_chains_engine(llm, max_num_seqs: int) -> Engine:
     decoding.row_gate.cost.a, decoding.row_gate.cost.b = 0.004, 0.0005
     decoding.row_gate.end_step = lambda seconds: None  # keep the cost the test set
     acceptance = decoding.row_gate.acceptance
-    acceptance.decay, acceptance.accepted, acceptance.seen = 1.0, [[950.0] * 3 for _ in range(4)], [[1000.0] * 3 for _ in range(4)]
+    acceptance.decay = 1.0
+    acceptance.accepted, acceptance.seen = [[950.0] * 3 for _ in range(4)], [[1000.0] * 3 for _ in range(4)]
     return Engine(llm.model, decoding, max_num_seqs=max_num_seqs)
 
 

@@ -115,8 +115,9 @@ class RowGate:
                 break  # the batch's end cannot move this step: no share below pays
         chances = {i: self.acceptance.chances(match, len(ids)) for i, (match, ids) in self.looked.items()}
         takes = {}
+        firsts = {i: ch[0] if ch else 0.0 for i, ch in chances.items()}
         for i, ch in chances.items():
-            share = 1 / len(rooms) if waiting else math.prod(chances[j][0] if chances[j] else 0.0 for j in chances if j != i)
+            share = 1 / len(rooms) if waiting else math.prod(firsts[j] for j in firsts if j != i)
             takes[i] = sum(1 for p in ch if p * (b + a * share) > b) if known else len(ch)
         self.rows = len(rooms) + sum(takes.values())
         return [self.looked[i][1][: takes[i]] if takes.get(i) else [] for i in range(len(rooms))]
