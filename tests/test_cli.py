@@ -366,3 +366,16 @@ def test_empty_or_idle_flags_are_refused_before_loading(capsys, tmp_path, monkey
     (tmp_path / "x.gguf").write_bytes(b"")
     code, out, err = run(capsys, *argv)
     assert_clean_error(code, err, says)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"]])
+def test_a_truncated_gguf_is_refused_before_the_server_starts(capsys, tmp_path, monkeypatch, command):
+    """`serve` read a truncated GGUF only inside the started server, and printed its error twice."""
+    import uvicorn
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 7)  # a header cut short
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the server started"))
+    monkeypatch.setattr("specee.cli.serve.check_address", lambda host, port: None)  # port 8000 may be taken
+    code, out, err = run(capsys, *command, "--model", str(gguf))
+    assert_clean_error(code, err, f"{gguf}: not a readable GGUF file (truncated or corrupt")

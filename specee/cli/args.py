@@ -244,6 +244,10 @@ def llm_options(args: argparse.Namespace) -> dict:
     import torch
 
     model_dir = resolve_model_dir(args.model, args.revision)
+    if model_dir.is_file():  # a truncated or corrupt GGUF's header, in one line (the loader reuses the read)
+        from ..model.gguf import open_gguf
+
+        open_gguf(model_dir)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}); use --device cpu")
     speculative = getattr(args, "speculative_config", None)
