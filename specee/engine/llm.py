@@ -181,18 +181,15 @@ class LLM:
         refused (IN_FLIGHT) while requests are in flight, and then nothing changed."""
         with _WORKER_LOCK:
             self._require_idle()
-            before = {name: getattr(self, name) for name in settings}
+            new = {name: settings.get(name, getattr(self, name))
+                   for name in ("_early_exit", "_speculative", "kv_cache_memory", "scheduling")}
+            last = getattr(self, "engine", None)
+            engine = Engine(self.model, new["_early_exit"] or new["_speculative"], new["kv_cache_memory"],
+                            kv=last.kv if last is not None else None, swap_space=self.swap_space,
+                            enable_prefix_caching=self.enable_prefix_caching, **new["scheduling"])
+            if getattr(self, "_worker", None) is not None:
+                self._worker.swap_engine(engine)  # refused, under the worker's lock, if a request came meanwhile
             self.__dict__.update(settings)
-            try:
-                last = getattr(self, "engine", None)
-                engine = Engine(self.model, self.early_exit or self.speculative, self.kv_cache_memory,
-                                kv=last.kv if last is not None else None, swap_space=self.swap_space,
-                                enable_prefix_caching=self.enable_prefix_caching, **self.scheduling)
-                if getattr(self, "_worker", None) is not None:
-                    self._worker.swap_engine(engine)  # refused, under the worker's lock, if a request came meanwhile
-            except BaseException:
-                self.__dict__.update(before)
-                raise
             self.engine = engine
 
     # ---- speculative decoding (specee.speculative) -----------------------------------------------
