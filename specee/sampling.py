@@ -93,7 +93,7 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     """Next token per row, [B] int64, from logits [B, V]. With one generator per row (one per
     request), a seeded request draws the same tokens whatever it is batched with at full depth.
     (Speculation and early exit draw per verified row, and whether a step drafts is measured, so
-    there a seed fixes the distribution, not the tokens: speculative/gate.py.) A row whose
+    there a seed fixes the distribution, not the tokens: speculative/gate.py, row_gate.py.) A row whose
     logits hold NaN or Inf gets NONFINITE_TOKEN (no extra host read: it travels with the tokens)."""
     if params.greedy:
         return greedy(logits)

@@ -12,14 +12,16 @@ history's longest matching suffix, as a chain.
 Speculative decoding's chain looks the suffix up in a table of each n-gram's latest occurrence,
 indexed lazily when a chain is asked for (~2 us a lookup; a vectorised scan of a 900-token history
 took 26 us, 90 us inside a busy step), so a step that does not draft only appends its tokens. The
-follow tables, which SpecEE's top-k candidates need (counts and recency), are indexed lazily up to
-the history's end when `candidates` asks; `truncate` drops them, and the chain table, when a
-rollback reaches below what they cover (rollbacks are rare); `row_candidates` pushes a draft's
-tokens with a journal and undoes them exactly.
+chain table keeps where each n-gram's occurrence before the latest ended, so a rollback (lossless
+early exit rolls back often) restores the entries of the tokens it drops. The follow tables, which
+SpecEE's top-k candidates need (counts and recency), are indexed lazily up to the history's end
+when `candidates` asks; `truncate` drops them when a rollback reaches below what they cover;
+`row_candidates` pushes a draft's tokens with a journal and undoes them exactly.
 """
 from __future__ import annotations
 
 import heapq
+from array import array
 from typing import Any
 
 import torch
@@ -51,9 +53,11 @@ class NGramDrafter(Drafter):
 
     def _clear(self) -> None:
         self._history: list[int] = []
-        # _latest[n-1][ngram] = the last position of its latest occurrence ending before the history's
-        # last token, over the n-grams ending before position `_ends`
+        # over the n-grams that end before position `_ends` (and before the history's last token):
+        # _latest[n-1][ngram] = where its latest occurrence ends; _earlier[n-1][end] = where the one before
+        # the n-gram ending at `end` ends (-1: none), so that a rollback restores what it drops
         self._latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_ngram)]
+        self._earlier = [array("q") for _ in range(self.max_ngram)]
         self._ends = 0
         # _follow[n-1][ngram] = {follower: [count, last position]}, over the history's first `_indexed` tokens
         self._follow: list[dict[tuple[int, ...], dict[int, list[int]]]] = [{} for _ in range(self.max_ngram)]
@@ -134,8 +138,11 @@ class NGramDrafter(Drafter):
         hist, m = self._history, len(self._history)
         self.match = 0
         for end in range(self._ends, m - 1):  # index the n-grams that end before the last token
-            for size in range(1, min(self.max_ngram, end + 1) + 1):
-                self._latest[size - 1][tuple(hist[end - size + 1 : end + 1])] = end
+            for size in range(1, self.max_ngram + 1):
+                key = tuple(hist[end - size + 1 : end + 1]) if size <= end + 1 else None
+                self._earlier[size - 1].append(self._latest[size - 1].get(key, -1) if key else -1)
+                if key:
+                    self._latest[size - 1][key] = end
         self._ends = max(self._ends, m - 1)
         for size in range(min(self.max_ngram, m - 1), self.min_ngram - 1, -1):
             end = self._latest[size - 1].get(tuple(hist[m - size :]))
@@ -168,9 +175,18 @@ class NGramDrafter(Drafter):
     def truncate(self, length: int) -> None:
         if not 0 <= length <= len(self._history):
             raise ValueError(f"cannot truncate a history of {len(self._history)} tokens to {length}")
-        del self._history[length:]
-        if self._ends > length - 1:  # an index of dropped tokens: build it again when asked
-            self._latest, self._ends = [{} for _ in range(self.max_ngram)], 0
+        hist, keep = self._history, max(length - 1, 0)
+        for end in range(self._ends - 1, keep - 1, -1):  # the chain table's dropped n-grams, newest first
+            for size in range(1, min(self.max_ngram, end + 1) + 1):
+                key, before = tuple(hist[end - size + 1 : end + 1]), self._earlier[size - 1][end]
+                if before < 0:
+                    del self._latest[size - 1][key]
+                else:
+                    self._latest[size - 1][key] = before
+        for earlier in self._earlier:
+            del earlier[keep:]
+        self._ends = min(self._ends, keep)
+        del hist[length:]
         if self._indexed > length:  # the tables counted dropped tokens: index again when asked
             self._follow = [{} for _ in range(self.max_ngram)]
             self._freq, self._indexed = {}, 0

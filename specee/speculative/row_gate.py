@@ -11,8 +11,12 @@ request emitted next. An accepted token saves what it is worth later:
   request the batch waits for (the most tokens left), times the chance that the others tied with it
   draft an accepted token too (all of them must move for the end to), and nothing for the others:
   their lead only moves their work earlier (a closed batch of 8 ran 7% slower drafting them).
-A draft pays when chance * worth > b. So one request drafts what is likely enough; a compute-bound
-batch (b large against a) drafts little; neither is tried. Drafters whose chains cost a forward are
+A draft pays when chance * worth > b. So one request drafts what is likely enough, and a compute-
+bound batch (b large against a) drafts little. Chains are looked up only where a draft may pay, so
+that what was measured keeps being measured: after `EXPLORE` steps without a lookup one request's
+chain is looked up anyway (a shadow), and after `PROBE` steps without a draft the likeliest chain
+looked up drafts its first token (a row more, so the line's slope is measured where the batch is
+now; one slow step once made it too steep for good). Drafters whose chains cost a forward are
 switched by trying (gate.py).
 """
 from __future__ import annotations
@@ -20,6 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Callable
+
+EXPLORE = 16  # steps without a lookup before one request's chain is looked up anyway
+PROBE = 64  # steps without a draft before the likeliest chain looked up drafts its first token
 
 
 class Acceptance:
@@ -38,9 +45,9 @@ class Acceptance:
             acc[j] = acc[j] * self.decay + (j < accepted)
             seen[j] = seen[j] * self.decay + 1
 
-    def best_first(self) -> float:
-        """The highest chance of a chain's first draft, over match lengths."""
-        return max((a[0] + 1) / (s[0] + 2) for a, s in zip(self.accepted[1:], self.seen[1:]))
+    def best_first(self, shortest: int) -> float:
+        """The highest chance of a chain's first draft, over match lengths from `shortest` on."""
+        return max((a[0] + 1) / (s[0] + 2) for a, s in zip(self.accepted[shortest:], self.seen[shortest:]))
 
     def chances(self, match: int, length: int) -> list[float]:
         """The chance that the first j + 1 drafts are all accepted, for j < length."""
@@ -54,12 +61,13 @@ class Acceptance:
 @dataclass
 class StepCost:
     """seconds = a + b * rows, a least-squares line through decode steps, weighted towards recent ones
-    (b: unknown, 0, until their rows have varied)."""
+    (b unknown until their rows have varied)."""
 
     decay: float = 0.99
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, x, y, xx, xy
     a: float = 0.0
     b: float = 0.0
+    known: bool = False
 
     def add(self, rows: int, seconds: float) -> None:
         s, d = self.sums, self.decay
@@ -68,12 +76,8 @@ class StepCost:
         n, x, y, xx, xy = s
         spread = n * xx - x * x
         if spread > 1e-3 * n * n:  # rows varied enough to see a slope
-            self.b = max((n * xy - x * y) / spread, 0.0)
+            self.b, self.known = max((n * xy - x * y) / spread, 0.0), True
         self.a = max(y / n - self.b * x / n, 0.0)
-
-    @property
-    def known(self) -> bool:
-        return self.b > 0
 
 
 @dataclass
@@ -86,21 +90,24 @@ class Shadow:
 
 
 class RowGate:
-    """max_match: the drafter's longest suffix; positions: the most drafts a chain has."""
+    """min_match, max_match: the drafter's shortest and longest suffix; positions: the most drafts a chain has."""
 
-    def __init__(self, max_match: int, positions: int):
+    def __init__(self, min_match: int, max_match: int, positions: int):
+        self.min_match = min_match
         self.acceptance = Acceptance(max_match, positions)
         self.cost = StepCost()
         self.rows = 0  # this step's rows (its requests and their drafts)
-        self.looked: dict[int, tuple[int, list[int]]] = {}  # this step's chains looked up, by request
+        self.looked: dict[int, tuple[int, list[int]]] = {}  # this step's chains looked up (match length, tokens)
+        self.since_look = self.since_draft = 0  # steps since a chain was looked up, and since one was drafted
 
     def choose(self, rooms: list[int], waiting: bool, look: Callable[[int], tuple[int, list[int]]]) -> list[list[int]]:
         """Each request's drafts, for the tokens each may still draft (`rooms`) and `look(i)`, its
-        chain's (match length, tokens); a request whose chain was looked up and not drafted keeps
-        it in `looked`. Chains are looked up only where a draft may pay (every position drafts while
-        a row's cost is not known yet)."""
+        chain's (match length, tokens). Looked up (`looked`): every request while requests wait,
+        else the tied requests with the most left until one has no chain, where a draft may pay;
+        one of them now and then where none may. While a row's cost is not known yet, every chain
+        looked up drafts whole."""
         a, b, known = self.cost.a, self.cost.b, self.cost.known
-        best = self.acceptance.best_first()
+        best = self.acceptance.best_first(self.min_match)
         top = max(rooms, default=0)
         if waiting:
             candidates = [i for i, room in enumerate(rooms) if room > 0]
@@ -108,19 +115,40 @@ class RowGate:
         else:  # every tied request must move for the batch's end to: one without a chain stops the search
             candidates = [i for i, room in enumerate(rooms) if room == top and room > 0]
             pays = best * (b + a * best ** (len(candidates) - 1)) > b
+        self.since_look, self.since_draft = self.since_look + 1, self.since_draft + 1
+        shadow_only = known and not pays  # a chain now and then, so that a low reading can recover
+        if shadow_only:
+            explore = candidates and self.since_look > EXPLORE
+            candidates = [candidates[self.since_look % len(candidates)]] if explore else []
         self.looked = {}
-        for i in candidates if pays or not known else []:
+        for i in candidates:
             self.looked[i] = look(i)
             if not waiting and not self.looked[i][1]:
                 break  # the batch's end cannot move this step: no share below pays
         chances = {i: self.acceptance.chances(match, len(ids)) for i, (match, ids) in self.looked.items()}
-        takes = {}
-        firsts = {i: ch[0] if ch else 0.0 for i, ch in chances.items()}
-        for i, ch in chances.items():
-            share = 1 / len(rooms) if waiting else math.prod(firsts[j] for j in firsts if j != i)
-            takes[i] = sum(1 for p in ch if p * (b + a * share) > b) if known else len(ch)
+        shares = self.shares(chances, waiting, len(rooms))
+        takes = {i: 0 if shadow_only else sum(1 for p in ch if p * (b + a * shares[i]) > b) if known else len(ch)
+                 for i, ch in chances.items()}
+        if known and not any(takes.values()) and self.since_draft > PROBE and any(chances.values()):
+            takes[max(chances, key=lambda i: chances[i][0] if chances[i] else 0.0)] = 1  # a probe of a row's cost
+        self.since_look = 0 if self.looked else self.since_look
+        self.since_draft = 0 if any(takes.values()) else self.since_draft
         self.rows = len(rooms) + sum(takes.values())
         return [self.looked[i][1][: takes[i]] if takes.get(i) else [] for i in range(len(rooms))]
+
+    @staticmethod
+    def shares(chances: dict[int, list[float]], waiting: bool, batch: int) -> dict[int, float]:
+        """The share of a step an accepted token of each request saves: a B-th while requests wait, else
+        the chance that the other requests looked up move too."""
+        if waiting:
+            return {i: 1 / batch for i in chances}
+        firsts = {i: ch[0] if ch else 0.0 for i, ch in chances.items()}
+        together = math.prod(firsts.values())
+        return {i: together / first if first else 0.0 for i, first in firsts.items()}
+
+    def settle(self, shadow: Shadow) -> None:
+        """A shadow whose request drafts, or ends, before it is settled: what it checked was accepted."""
+        self.acceptance.record(shadow.match, shadow.checked, shadow.checked)
 
     def follow(self, shadow: Shadow, emitted: list[int]) -> Shadow | None:
         """Checks a request's shadow chain against the tokens it emitted; None once it is settled."""

@@ -108,15 +108,16 @@ class SpeculativeDecoding(FullDepth):
         self.feature_layers = drafter.feature_layers
         self.width = model.cfg.vocab_size
         by_row = gated and tree is None and drafter.free_chains
-        self.row_gate = RowGate(drafter.max_ngram, num_tokens) if by_row else None
+        self.row_gate = RowGate(drafter.min_ngram, drafter.max_ngram, num_tokens) if by_row else None
         self.gate = SpeculationGate() if gated and not by_row else None
-        self.drafting = True  # this step's requests draft (the gate's choice)
+        self.drafting = True  # `plan` drafts this step's requests (the speculation gate's choice)
         self.pending, self.draft_seconds = 0, 0.0  # this step's tokens the drafters ran first, and drafting's time
         self.drafted_any = False  # some request of this step has a draft token (a tree or a non-empty chain)
 
     def begin_step(self, batch: list[Running], waiting: bool = False) -> None:
-        """The gate's choice for this batch size; then every decoding request's tree, or chain, in one
-        call of the drafter (a drafter that runs a model batches its forwards across the requests)."""
+        """The row gate's drafts; or the speculation gate's choice for this batch size, then every
+        decoding request's tree, or chain, in one call of the drafter (a drafter that runs a model
+        batches its forwards across the requests). waiting: whether requests wait for a slot."""
         decoding = [r for r in batch if r.prefilled]
         if self.row_gate is not None:
             self.drafting = False  # `plan` drafts nothing: the row gate chose the drafts here
@@ -151,7 +152,7 @@ class SpeculativeDecoding(FullDepth):
     def draft_rows(self, decoding: list[Running], waiting: bool) -> None:
         """The drafts the row gate finds paying; a request whose chain it looked up and did not draft
         keeps that chain as a shadow, to learn from."""
-        t0 = device_time(self.model.device)
+        t0, self.draft_seconds = device_time(self.model.device), 0.0
         rooms = [self.room(r) for r in decoding]
 
         def look(i: int) -> tuple[int, list[int]]:
@@ -165,6 +166,9 @@ class SpeculativeDecoding(FullDepth):
         for i, (match, ids) in self.row_gate.looked.items():
             st = decoding[i].state
             if drafts[i]:
+                if st.shadow is not None:  # what it checked counts; its evidence from here on is the draft's
+                    self.row_gate.settle(st.shadow)
+                    st.shadow = None
                 st.match = match
                 st.draft = Draft(torch.tensor(drafts[i], dtype=torch.long, device=self.model.device), ids=drafts[i])
             elif ids and st.shadow is None:
@@ -184,8 +188,8 @@ class SpeculativeDecoding(FullDepth):
         # ending together made drafts look cheap (the next batch drafted at a loss for 12 steps),
         # and steps without a match diluted what drafts pay at one request; a try lasts until a
         # step that drafted is measured
-        if self.row_gate is not None:
-            self.row_gate.end_step(seconds)
+        if self.row_gate is not None:  # the rows' cost: a first lookup indexes a whole prompt (1 ms a 1,000 tokens)
+            self.row_gate.end_step(seconds - self.draft_seconds)
         elif self.gate is not None and (self.drafted_any or not self.drafting):
             if self.drafting:
                 self.gate.drafted(self.pending, self.draft_seconds)

@@ -189,7 +189,7 @@ class Tuner:
         total = len(candidates) * (1 + len(self.prompts) * self.rounds)
         bar = progress_bar(total=total, enabled=self.progress, desc=desc, unit="run", leave=False)
         try:
-            for c in candidates:  # warm-up: first use of each drafter and pool, and the speculation gate
+            for c in candidates:  # warm-up: first use of each drafter and pool, and the speculation gates
                 bar.set_postfix_str(f"warm-up {c.name}")
                 self.run(c, self.prompts[0], min(self.max_new_tokens, WARMUP_TOKENS))
                 bar.update(1)
