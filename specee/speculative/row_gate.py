@@ -147,7 +147,7 @@ class RowGate:
         return {i: together / first if first else 0.0 for i, first in firsts.items()}
 
     def settle(self, shadow: Shadow) -> None:
-        """A shadow whose request drafts, or ends, before it is settled: what it checked was accepted."""
+        """A shadow whose request drafts before it is settled: what it checked was accepted."""
         self.acceptance.record(shadow.match, shadow.checked, shadow.checked)
 
     def follow(self, shadow: Shadow, emitted: list[int]) -> Shadow | None:
