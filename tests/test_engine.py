@@ -299,6 +299,24 @@ def test_lossy_early_exit_times_its_prefill_with_every_part(checkpoints, chunk):
     assert stats.prefill_seconds + stats.decode_seconds <= stats.finish_time - stats.scheduled_time + 1e-3
 
 
+def test_decode_time_ends_with_the_last_forward_not_when_the_request_is_retired(llm, monkeypatch):
+    """It was read when the finished request was settled, after the step's bookkeeping: on a busy
+    machine decode and prefill time summed past the request's own wall time."""
+    import time
+
+    retire = llm.engine.scheduler.retire
+
+    def slow_retire():
+        out = retire()
+        time.sleep(0.05)  # what a busy machine's bookkeeping may take
+        return out
+
+    monkeypatch.setattr(llm.engine.scheduler, "retire", slow_retire)
+    stats = llm.generate([[3, 4, 5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))[0].stats
+    assert 0 < stats.decode_seconds < 0.05 * 3
+    assert stats.prefill_seconds + stats.decode_seconds <= stats.finish_time - stats.scheduled_time + 1e-3
+
+
 def test_the_default_pool_holds_a_full_context_request_with_its_draft_rows(checkpoints, monkeypatch):
     """Where one context's K/V passes the default 1 GiB, the pool was exactly one context: a request of
     the whole context never fitted beside speculation's draft rows (here: the default made one byte)."""

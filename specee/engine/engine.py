@@ -173,6 +173,7 @@ class Engine:
             if first:  # the prefill (all its parts) ends with this forward; decoding is timed from here
                 r.seq.stats.prefill_seconds, r.decode_since = now - r.prefill_since, now
                 r.first_tokens = len(r.seq.output_ids)  # its first tokens: the output was empty before
+            r.decoded_until = now
             if emitted:
                 r.last = emitted[-1]
             total += len(emitted)
@@ -229,6 +230,6 @@ class Engine:
         """A finished request's decode timing and its decoding's stats."""
         stats = r.seq.stats
         if r.prefilled:
-            stats.decode_seconds = device_time(self.model.device) - r.decode_since
+            stats.decode_seconds = r.decoded_until - r.decode_since
             stats.decode_tokens = len(r.seq.output_ids) - r.first_tokens
             stats.speculative = self.decoding.stats(r, stats.decode_seconds)

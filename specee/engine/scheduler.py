@@ -79,6 +79,7 @@ class Running:
     last: int = -1  # the last emitted token, whose K/V the next step writes
     state: Any = None  # the decoding's per-request state (a drafter, speculation stats, this step's draft)
     decode_since: float = 0.0
+    decoded_until: float = 0.0  # the end of its last step's forward (its decode time ends there, not at retiring)
     first_tokens: int = 0  # what the forward that ended its prefill emitted (counted as the prefill's)
     admitted: int = 0  # admission order: the newest running request is parked first
     parked: tuple[torch.Tensor, ...] | None = None  # its run's contents while out of the pool (KVCacheManager.park)
