@@ -794,7 +794,7 @@ def test_the_gates_see_only_steps_with_decoding_requests(tiny_llm, gate):
         assert seen == [1] * 4, seen  # the 4 decode steps after the prefill's first token
     else:  # the 4 decode steps, each of the request's row and its drafts
         assert len(seen) == 4 and all(1 <= rows <= 4 for rows in seen), seen
-        assert decoding.row_gate.cost.sums[0] == pytest.approx(sum(0.99 ** k for k in range(4)))
+        assert decoding.row_gate.cost.n == pytest.approx(sum(0.99 ** k for k in range(4)))
 
 
 def test_a_drafting_step_after_plain_ones_is_not_what_drafting_costs():

@@ -138,11 +138,13 @@ class NGramDrafter(Drafter):
         hist, m = self._history, len(self._history)
         self.match = 0
         for end in range(self._ends, m - 1):  # index the n-grams that end before the last token
-            for size in range(1, self.max_ngram + 1):
-                key = tuple(hist[end - size + 1 : end + 1]) if size <= end + 1 else None
-                self._earlier[size - 1].append(self._latest[size - 1].get(key, -1) if key else -1)
-                if key:
-                    self._latest[size - 1][key] = end
+            for size in range(1, self.max_ngram + 1):  # one `_earlier` entry per end and size
+                if size > end + 1:
+                    self._earlier[size - 1].append(-1)
+                    continue
+                table, key = self._latest[size - 1], tuple(hist[end - size + 1 : end + 1])
+                self._earlier[size - 1].append(table.get(key, -1))
+                table[key] = end
         self._ends = max(self._ends, m - 1)
         for size in range(min(self.max_ngram, m - 1), self.min_ngram - 1, -1):
             end = self._latest[size - 1].get(tuple(hist[m - size :]))

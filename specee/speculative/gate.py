@@ -52,27 +52,42 @@ class Arm:
 
 
 @dataclass
-class CatchUpCost:
-    """Seconds a drafting step spends per pending token (a token of the history a draft model has not
-    run: a new request's prompt, or everything emitted while the batch did not draft): the slope of
-    a least-squares line through every drafting step's (pending tokens, drafting seconds). Unknown (0)
-    until the steps differ in pending tokens."""
+class Line:
+    """A least-squares line y = a + b * x through points weighted decay^age (decay 1: all alike)."""
 
+    decay: float = 1.0
     n: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
 
-    def add(self, pending: int, seconds: float) -> None:
-        self.n, self.sx, self.sy = self.n + 1, self.sx + pending, self.sy + seconds
-        self.sxx, self.sxy = self.sxx + pending * pending, self.sxy + pending * seconds
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = self.n * d + 1, self.sx * d + x, self.sy * d + y
+        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+
+    def spread(self) -> float:
+        """n^2 times the points' variance in x: 0 where they all have one x."""
+        return self.n * self.sxx - self.sx * self.sx
+
+    def slope(self) -> float:
+        """b, at least 0 (call where `spread` is positive)."""
+        return max(0.0, (self.n * self.sxy - self.sx * self.sy) / self.spread())
+
+    def intercept(self, slope: float) -> float:
+        """a for slope b, at least 0."""
+        return max(0.0, (self.sy - slope * self.sx) / self.n)
+
+
+class CatchUpCost(Line):
+    """Seconds a drafting step spends per pending token (a token of the history a draft model has not
+    run: a new request's prompt, or everything emitted while the batch did not draft): the slope of
+    a least-squares line through every drafting step's (pending tokens, drafting seconds). Unknown (0)
+    until the steps differ in pending tokens."""
 
     def per_token(self) -> float:
-        spread = self.n * self.sxx - self.sx * self.sx
-        if spread <= 1e-9 * self.n * self.sxx:
-            return 0.0
-        return max(0.0, (self.n * self.sxy - self.sx * self.sy) / spread)
+        return self.slope() if self.spread() > 1e-9 * self.n * self.sxx else 0.0
 
 
 @dataclass

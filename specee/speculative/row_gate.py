@@ -22,8 +22,10 @@ switched by trying (gate.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
+
+from .gate import Line
 
 EXPLORE = 16  # steps without a lookup before one request's chain is looked up anyway
 PROBE = 64  # steps without a draft before the likeliest chain looked up drafts its first token
@@ -58,26 +60,20 @@ class Acceptance:
         return out
 
 
-@dataclass
-class StepCost:
+class StepCost(Line):
     """seconds = a + b * rows, a least-squares line through decode steps, weighted towards recent ones
     (b unknown until their rows have varied)."""
 
-    decay: float = 0.99
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, x, y, xx, xy
-    a: float = 0.0
-    b: float = 0.0
-    known: bool = False
+    def __init__(self, decay: float = 0.99):
+        super().__init__(decay)
+        self.a = self.b = 0.0
+        self.known = False
 
     def add(self, rows: int, seconds: float) -> None:
-        s, d = self.sums, self.decay
-        for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
-            s[i] = s[i] * d + v
-        n, x, y, xx, xy = s
-        spread = n * xx - x * x
-        if spread > 1e-3 * n * n:  # rows varied enough to see a slope
-            self.b, self.known = max((n * xy - x * y) / spread, 0.0), True
-        self.a = max(y / n - self.b * x / n, 0.0)
+        super().add(rows, seconds)
+        if self.spread() > 1e-3 * self.n * self.n:  # rows varied enough to see a slope
+            self.b, self.known = self.slope(), True
+        self.a = self.intercept(self.b)
 
 
 @dataclass

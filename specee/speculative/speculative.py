@@ -144,10 +144,7 @@ class SpeculativeDecoding(FullDepth):
                                             [r.seq.params for r in chains], [r.generator for r in chains], self.width)
             for r, draft in zip(chains, drafts):
                 r.state.draft = draft
-        self.draft_seconds = device_time(self.model.device) - t0
-        share = self.draft_seconds / len(ready)
-        for r in ready:
-            r.state.stats.draft_seconds += share
+        self.charge_drafting(ready, t0)
 
     def draft_rows(self, decoding: list[Running], waiting: bool) -> None:
         """The drafts the row gate finds paying; a request whose chain it looked up and did not draft
@@ -173,9 +170,13 @@ class SpeculativeDecoding(FullDepth):
                 st.draft = Draft(torch.tensor(drafts[i], dtype=torch.long, device=self.model.device), ids=drafts[i])
             elif ids and st.shadow is None:
                 st.shadow = Shadow(match, ids)
+        self.charge_drafting(decoding, t0)
+
+    def charge_drafting(self, requests: list[Running], t0: float) -> None:
+        """This step's drafting time, since t0, shared among the requests it drafted for."""
         self.draft_seconds = device_time(self.model.device) - t0
-        for r in decoding:
-            r.state.stats.draft_seconds += self.draft_seconds / len(decoding)
+        for r in requests:
+            r.state.stats.draft_seconds += self.draft_seconds / len(requests)
 
     @staticmethod
     def room(r: Running) -> int:
